@@ -1,0 +1,31 @@
+# The two commands of the README: `make serve` and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.specserve-installed
+PYTEST_ARGS ?=
+
+.PHONY: install test serve bench-engine clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# the CPU build from this machine's disk; a bare `torch` would pull a multi-GB CUDA build
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: install
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+serve: install
+	$(VENV)/bin/specserve models fetch qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct
+	$(VENV)/bin/specserve serve --config configs/default.yaml
+
+bench-engine: install
+	$(VENV)/bin/specserve models fetch smollm2-135m-instruct qwen2.5-coder-0.5b-instruct
+	$(PY) bench/engine_vs_hf.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

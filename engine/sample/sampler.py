@@ -1,0 +1,177 @@
+"""Logits processing and sampling: pure functions over per-row tensors.
+
+Must not touch sequences or the scheduler: the engine describes each row (one position whose
+next token is wanted) by a `RowSpec`, and everything here works on tensors.
+
+`process_logits` is the single definition of the sampling distribution (logit bias, penalties,
+temperature, top-k, top-p, min-p). The verifier applies the same function to draft and target
+logits, so exactness holds for every sampling setting.
+
+Random draws use the exponential race: argmax(p / E) with E ~ Exp(1) i.i.d. is a sample from
+p. A seeded request draws E from its own generator, so its tokens do not depend on what else is
+in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class RowSpec:
+    """What the sampler needs to know about one row."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]  # for the repetition penalty
+    output_token_ids: list[int]  # generated so far (before this row's position)
+    generator: torch.Generator | None  # the request's own generator when it has a seed
+
+
+@dataclass
+class SamplingTensors:
+    temperature: torch.Tensor  # [R] float, 1.0 on greedy rows
+    greedy: torch.Tensor  # [R] bool
+    top_k: torch.Tensor | None  # [R] long, vocab_size where disabled; None if no row uses it
+    top_p: torch.Tensor | None  # [R] float; None if no row uses it
+    min_p: torch.Tensor | None  # [R] float; None if no row uses it
+    presence: torch.Tensor | None  # [R, 1] float; None if no row has penalties
+    frequency: torch.Tensor | None  # [R, 1]
+    repetition: torch.Tensor | None  # [R, 1]
+    output_counts: torch.Tensor | None  # [R, V] float counts of generated tokens
+    seen: torch.Tensor | None  # [R, V] bool: token in prompt or output
+    logit_bias: list[tuple[int, list[int], list[float]]]  # (row, token ids, biases)
+    generators: list[torch.Generator | None]  # [R]
+    all_greedy: bool
+
+
+def build_sampling_tensors(rows: list[RowSpec], vocab_size: int,
+                           device: torch.device) -> SamplingTensors:
+    params = [r.params for r in rows]
+    greedy = [p.greedy for p in params]
+    f32 = dict(dtype=torch.float32, device=device)
+    any_top_k = any(p.top_k > 0 and not g for p, g in zip(params, greedy))
+    any_top_p = any(p.top_p < 1.0 and not g for p, g in zip(params, greedy))
+    any_min_p = any(p.min_p > 0.0 and not g for p, g in zip(params, greedy))
+    t = SamplingTensors(
+        temperature=torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)],
+                                 **f32),
+        greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+        top_k=torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params],
+                           dtype=torch.long, device=device) if any_top_k else None,
+        top_p=torch.tensor([p.top_p for p in params], **f32) if any_top_p else None,
+        min_p=torch.tensor([p.min_p for p in params], **f32) if any_min_p else None,
+        presence=None, frequency=None, repetition=None, output_counts=None, seen=None,
+        logit_bias=[(i, list(p.logit_bias), list(p.logit_bias.values()))
+                    for i, p in enumerate(params) if p.logit_bias],
+        generators=[r.generator for r in rows],
+        all_greedy=all(greedy),
+    )
+    if any(p.has_penalties for p in params):
+        _add_penalties(t, rows, vocab_size, device)
+    return t
+
+
+def _add_penalties(t: SamplingTensors, rows: list[RowSpec], vocab_size: int,
+                   device: torch.device) -> None:
+    f32 = dict(dtype=torch.float32, device=device)
+    t.presence = torch.tensor([[r.params.presence_penalty] for r in rows], **f32)
+    t.frequency = torch.tensor([[r.params.frequency_penalty] for r in rows], **f32)
+    t.repetition = torch.tensor([[r.params.repetition_penalty] for r in rows], **f32)
+    t.output_counts = torch.zeros(len(rows), vocab_size, **f32)
+    t.seen = torch.zeros(len(rows), vocab_size, dtype=torch.bool, device=device)
+    for i, r in enumerate(rows):
+        out = torch.tensor(r.output_token_ids, dtype=torch.long, device=device)
+        t.output_counts[i].index_add_(0, out, torch.ones(len(out), **f32))
+        seen = torch.tensor(r.prompt_token_ids + r.output_token_ids, dtype=torch.long,
+                            device=device)
+        t.seen[i, seen] = True
+
+
+def process_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """Raw logits -> processed logits whose softmax is the sampling distribution.
+
+    logits: [R, V] float32 (not modified). Disallowed tokens get -inf.
+    """
+    logits = logits.clone()
+    for row, token_ids, biases in t.logit_bias:
+        logits[row, token_ids] += torch.tensor(biases, dtype=logits.dtype, device=logits.device)
+    if t.output_counts is not None:
+        # HF repetition penalty over prompt + output: shrink positive logits, grow negative ones.
+        penalized = torch.where(logits > 0, logits / t.repetition, logits * t.repetition)
+        logits = torch.where(t.seen, penalized, logits)
+        # OpenAI presence/frequency penalties over generated tokens.
+        logits -= t.frequency * t.output_counts + t.presence * (t.output_counts > 0)
+    if t.all_greedy:
+        return logits
+    logits /= t.temperature[:, None]
+    if t.top_k is not None or t.top_p is not None:
+        logits = _top_k_top_p(logits, t.top_k, t.top_p)
+    if t.min_p is not None:
+        probs = torch.softmax(logits, dim=-1)
+        threshold = t.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    return logits
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
+                 top_p: torch.Tensor | None) -> torch.Tensor:
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [R, V]
+    ranks = torch.arange(logits.shape[-1], device=logits.device)[None, :]
+    drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if top_k is not None:
+        drop |= ranks >= top_k[:, None]
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    if top_p is not None:
+        probs = torch.softmax(sorted_logits, dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs  # mass of strictly better tokens
+        drop |= mass_before >= top_p[:, None]  # the best token always stays (mass_before 0)
+    return logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+
+
+def exponential_noise(shape: tuple[int, int], generators: list[torch.Generator | None],
+                      device: torch.device, default: torch.Generator | None) -> torch.Tensor:
+    """[R, V] i.i.d. Exp(1); a row with its own generator draws from it alone."""
+    noise = torch.empty(shape, dtype=torch.float32, device=device)
+    noise.exponential_(generator=default)
+    for row, gen in enumerate(generators):
+        if gen is not None:
+            noise[row].exponential_(generator=gen)
+    return noise
+
+
+def sample(processed: torch.Tensor, t: SamplingTensors,
+           default_generator: torch.Generator | None = None) -> torch.Tensor:
+    """processed: [R, V] from `process_logits` -> token ids [R] (long)."""
+    greedy_ids = processed.argmax(dim=-1)
+    if t.all_greedy:
+        return greedy_ids
+    probs = torch.softmax(processed, dim=-1)
+    sampled_gens = [None if g else gen for g, gen in zip(t.greedy.tolist(), t.generators)]
+    noise = exponential_noise(tuple(probs.shape), sampled_gens, probs.device, default_generator)
+    sampled_ids = (probs / noise).argmax(dim=-1)
+    return torch.where(t.greedy, greedy_ids, sampled_ids)
+
+
+def logprobs_of(raw_logits: torch.Tensor, token_ids: torch.Tensor, num_top: list[int | None]
+                ) -> list[tuple[float, list[tuple[int, float]]] | None]:
+    """Log-probabilities of the model (before processing) for the chosen tokens, plus the top N.
+
+    raw_logits: [R, V]; token_ids: [R]; num_top[i] None means row i wants none.
+    """
+    wanted = [i for i, n in enumerate(num_top) if n is not None]
+    result: list[tuple[float, list[tuple[int, float]]] | None] = [None] * len(num_top)
+    if not wanted:
+        return result
+    rows = torch.tensor(wanted, device=raw_logits.device)
+    logp = torch.log_softmax(raw_logits[rows].float(), dim=-1)  # [W, V]
+    chosen = logp.gather(1, token_ids[rows][:, None])[:, 0].tolist()
+    k = max(num_top[i] for i in wanted)
+    top_vals, top_ids = logp.topk(k, dim=-1) if k > 0 else (logp[:, :0], logp[:, :0].long())
+    for j, i in enumerate(wanted):
+        n = num_top[i]
+        result[i] = (chosen[j], list(zip(top_ids[j, :n].tolist(), top_vals[j, :n].tolist())))
+    return result

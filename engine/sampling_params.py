@@ -1,0 +1,80 @@
+"""Per-request sampling settings. Plain Python: must not import torch.
+
+Invalid settings raise `ValueError` naming the field, at construction, before anything is
+scheduled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int | None = 16  # None: until eos, a stop token or the context length
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    presence_penalty: float = 0.0  # OpenAI semantics: over generated tokens
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # HF semantics: over prompt and generated tokens
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    logprobs: int | None = None  # None: no logprobs; N: chosen token's plus the top N
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    speculative: bool = True  # a request may opt out of speculation
+
+    def __post_init__(self) -> None:
+        _check(self.max_tokens is None or (isinstance(self.max_tokens, int)
+                                           and self.max_tokens >= 1),
+               "max_tokens", f"must be a positive integer, got {self.max_tokens!r}")
+        _check(_is_number(self.temperature) and self.temperature >= 0, "temperature",
+               f"must be >= 0, got {self.temperature!r}")
+        _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p",
+               f"must be in (0, 1], got {self.top_p!r}")
+        _check(isinstance(self.top_k, int) and self.top_k >= -1, "top_k",
+               f"must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
+        _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p",
+               f"must be in [0, 1], got {self.min_p!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_number(value) and -2 <= value <= 2, name,
+                   f"must be in [-2, 2], got {value!r}")
+        _check(_is_number(self.repetition_penalty) and self.repetition_penalty > 0,
+               "repetition_penalty", f"must be > 0, got {self.repetition_penalty!r}")
+        _check(self.seed is None or isinstance(self.seed, int), "seed",
+               f"must be an integer, got {self.seed!r}")
+        _check(self.logprobs is None or (isinstance(self.logprobs, int)
+                                         and 0 <= self.logprobs <= MAX_LOGPROBS),
+               "logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.logit_bias:
+            for token, bias in self.logit_bias.items():
+                _check(isinstance(token, int) and token >= 0, "logit_bias",
+                       f"keys must be token ids, got {token!r}")
+                _check(_is_number(bias) and -100 <= bias <= 100, "logit_bias",
+                       f"values must be in [-100, 100], got {bias!r}")
+        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+               "stop_token_ids", "must be a list of token ids")
+        self.stop_token_ids = list(self.stop_token_ids)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"invalid sampling parameter {name}: {message}")

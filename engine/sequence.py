@@ -1,0 +1,74 @@
+"""One request's state in the engine. Plain Python: must not import torch.
+
+Token accounting (the scheduler counts tokens, not phases):
+- `token_ids` are the committed tokens: the prompt followed by the generated output.
+- `draft_token_ids` are proposed, not yet verified tokens that follow `token_ids`.
+- `num_computed_tokens` counts the leading tokens of `token_ids + draft_token_ids` whose KV is
+  in the cache. Each step the sequence catches up towards all of them; prefill, chunked
+  prefill, decode and verification are the same thing with different counts.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 arrival_time: float | None = None) -> None:
+        self.request_id = request_id
+        self.params = params
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.draft_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # chained hashes of full committed blocks
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None  # "stop" | "length" | "abort"
+        self.stop_token_id: int | None = None
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
+        self.num_preemptions = 0
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        # Per generated token: (chosen logprob, [(token id, logprob) ...]) when requested.
+        self.output_logprobs: list[tuple[float, list[tuple[int, float]]]] = []
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens (committed and draft) whose KV is not yet in the cache."""
+        return self.num_tokens + len(self.draft_token_ids) - self.num_computed_tokens
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request_id!r}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, status={self.status.value})")

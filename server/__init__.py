@@ -1,0 +1,1 @@
+"""specserve front end: command line (and, later, the OpenAI-compatible HTTP server)."""

@@ -1,0 +1,85 @@
+"""Shared fixtures: a tiny tokenizer trained here, tiny random-init models, the real SmolLM2."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+CORPUS = """
+The quick brown fox jumps over the lazy dog. A continuous batching engine serves many
+requests at once. Each request has a prompt and a number of tokens to generate. The
+scheduler counts tokens, not phases: a prefill chunk, one decode token and the verification
+of several draft tokens are the same thing with different counts. Blocks of the key value
+cache are handed out by a block manager that keeps reference counts and a free list.
+def add(a, b):
+    return a + b
+for i in range(10):
+    print(i, add(i, i))
+Speculative decoding drafts k tokens with a small model and verifies them in one pass of the
+large model. The output distribution stays exactly the target model's distribution.
+""" * 4
+
+
+def build_tokenizer(vocab_size: int = 320):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<eos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([CORPUS], trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
+
+
+def build_tiny_model(arch: str = "qwen2", vocab_size: int = 320, seed: int = 0,
+                     num_layers: int = 2, dtype: torch.dtype = torch.float32):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=1024, eos_token_id=1, bos_token_id=None,
+                  pad_token_id=None, tie_word_embeddings=False)
+    cfg_cls, model_cls = {"qwen2": (Qwen2Config, Qwen2ForCausalLM),
+                          "llama": (LlamaConfig, LlamaForCausalLM)}[arch]
+    torch.manual_seed(seed)
+    model = model_cls(cfg_cls(**common)).to(dtype).eval()
+    # Sharper logits than the default init, so greedy choices are not near-ties.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    return model
+
+
+def clone_model(model):
+    """An independent copy (the engine switches its model to paged attention)."""
+    import copy
+
+    return copy.deepcopy(model)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    return build_tokenizer()
+
+
+@pytest.fixture
+def tiny_model():
+    return build_tiny_model("qwen2")
+
+
+def random_prompts(lengths, vocab_size=320, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, vocab_size, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    """The real SmolLM2-135M-Instruct, fetched and converted by its recipe (once per cache)."""
+    from engine.models.recipes import fetch
+
+    return str(fetch("smollm2-135m-instruct"))
