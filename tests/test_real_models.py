@@ -1,0 +1,63 @@
+"""The real SmolLM2-135M-Instruct (fetched by its recipe): kept few, they cost seconds each."""
+
+import pytest
+import torch
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.models.loader import load_model
+
+pytestmark = pytest.mark.real_model
+
+PROMPTS = [
+    "def fibonacci(n):",
+    "The capital of France is",
+    "Write a haiku about autumn leaves falling on a quiet river.",
+    "Q: What is 12 times 12?\nA:",
+    "Once upon a time, in a small village at the edge of a great forest, there lived an old "
+    "clockmaker who had never once left the valley. Every morning he",
+    "import numpy as np\n\ndef normalize(x):\n    \"\"\"Scale x to zero mean and unit variance.\"\"\"",
+    "List three uses of copper:",
+    "Translate to French: good morning",
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_path):
+    ref, tok = load_model(smollm2_path, dtype="float32", device="cpu")
+    mine, _ = load_model(smollm2_path, dtype="float32", device="cpu")
+    return ref, mine, tok
+
+
+def test_smollm2_greedy_staggered_equals_hf_generate(smollm2):
+    ref, mine, tok = smollm2
+    engine = LLMEngine(EngineConfig(num_blocks=256, max_num_batched_tokens=96), model=mine,
+                       tokenizer=tok)
+    prompts = [tok.encode(p) for p in PROMPTS]
+    n = 16
+    ids, final, step = [], {}, 0
+    while len(final) < len(prompts):
+        if len(ids) < len(prompts):
+            ids.append(engine.add_request(prompts[len(ids)],
+                                          SamplingParams(temperature=0, max_tokens=n)))
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+        step += 1
+    eos = ref.generation_config.eos_token_id
+    for prompt, rid in zip(prompts, ids):
+        hf = ref.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n,
+                          pad_token_id=tok.pad_token_id)[0, len(prompt):].tolist()
+        if eos in hf:
+            hf = hf[:hf.index(eos) + 1]
+        assert final[rid].output_token_ids == hf, tok.decode(prompt)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_smollm2_chat_template_and_text(smollm2):
+    _, mine, tok = smollm2
+    assert tok.chat_template, "the recipe keeps the model's chat template"
+    engine = LLMEngine(EngineConfig(num_blocks=64), model=mine, tokenizer=tok)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Say hello."}],
+                                     add_generation_prompt=True, tokenize=False)
+    out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=12))[0]
+    assert out.text and out.text.strip()

@@ -1,0 +1,116 @@
+"""Logits processing and sampling: small tensors, exact expectations."""
+
+import math
+
+import torch
+
+from engine.sample import sampler
+from engine.sampling_params import SamplingParams
+
+
+def rows(*params, prompt=(), output=(), gens=None):
+    gens = gens or [None] * len(params)
+    return [sampler.RowSpec(p, list(prompt), list(output), g) for p, g in zip(params, gens)]
+
+
+def process(logits, *params, **kw):
+    t = sampler.build_sampling_tensors(rows(*params, **kw), logits.shape[-1], logits.device)
+    return sampler.process_logits(logits, t), t
+
+
+LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
+
+
+def allowed(processed):
+    return torch.isfinite(processed[0]).nonzero()[:, 0].tolist()
+
+
+def test_greedy_is_argmax_and_untouched():
+    out, t = process(LOGITS, SamplingParams(temperature=0))
+    assert t.all_greedy and torch.equal(out, LOGITS)
+    assert sampler.sample(out, t).tolist() == [0]
+
+
+def test_temperature_scales():
+    out, _ = process(LOGITS, SamplingParams(temperature=0.5))
+    torch.testing.assert_close(out, LOGITS / 0.5)
+
+
+def test_top_k_keeps_k_best():
+    out, _ = process(LOGITS, SamplingParams(top_k=3))
+    assert allowed(out) == [0, 1, 2]
+
+
+def test_top_p_keeps_smallest_set_reaching_p():
+    probs = torch.softmax(LOGITS[0], -1)
+    out, _ = process(LOGITS, SamplingParams(top_p=float(probs[0] + probs[1]) - 1e-4))
+    assert allowed(out) == [0, 1]
+    out, _ = process(LOGITS, SamplingParams(top_p=float(probs[0]) / 2))
+    assert allowed(out) == [0]  # the best token always stays
+
+
+def test_min_p_relative_to_best():
+    probs = torch.softmax(LOGITS[0], -1)
+    ratio = float(probs[2] / probs[0])
+    out, _ = process(LOGITS, SamplingParams(min_p=ratio - 1e-4))
+    assert allowed(out) == [0, 1, 2]
+
+
+def test_logit_bias_and_penalties():
+    out, _ = process(LOGITS, SamplingParams(temperature=0, logit_bias={5: 10.0}))
+    assert out[0, 5].item() == 7.0
+    out, _ = process(LOGITS, SamplingParams(temperature=0, presence_penalty=0.5,
+                                            frequency_penalty=0.25), output=[1, 1, 2])
+    assert out[0, 1].item() == 1.0 - 0.5 - 0.5
+    assert out[0, 2].item() == 0.5 - 0.5 - 0.25
+    assert out[0, 0].item() == 2.0
+    out, _ = process(LOGITS, SamplingParams(temperature=0, repetition_penalty=2.0),
+                     prompt=[0], output=[4])
+    assert out[0, 0].item() == 1.0 and out[0, 4].item() == -2.0 and out[0, 1].item() == 1.0
+
+
+def test_rows_have_independent_params():
+    logits = LOGITS.repeat(3, 1)
+    t = sampler.build_sampling_tensors(
+        rows(SamplingParams(temperature=0), SamplingParams(top_k=1, temperature=1.0),
+             SamplingParams(top_k=2)), 6, logits.device)
+    out = sampler.process_logits(logits, t)
+    assert torch.isfinite(out[0]).all()  # greedy row untouched
+    assert torch.isfinite(out[2]).sum() == 2
+
+
+def test_seeded_rows_reproducible_regardless_of_batch():
+    logits = torch.randn(1, 50)
+    p = SamplingParams(temperature=1.0, seed=3)
+
+    def draw(batch_size):
+        gen = torch.Generator().manual_seed(3)
+        specs = rows(*([SamplingParams(temperature=1.0)] * (batch_size - 1) + [p]),
+                     gens=[None] * (batch_size - 1) + [gen])
+        t = sampler.build_sampling_tensors(specs, 50, logits.device)
+        big = logits.repeat(batch_size, 1)
+        return [sampler.sample(sampler.process_logits(big, t), t)[-1].item() for _ in range(1)]
+
+    assert draw(1) == draw(5) == draw(9)
+
+
+def test_sampling_follows_the_distribution():
+    logits = torch.tensor([[1.0, 0.0, -1.0, 0.5]])
+    probs = torch.softmax(logits[0], -1)
+    n = 40000
+    t = sampler.build_sampling_tensors(rows(*[SamplingParams(temperature=1.0)] * n), 4,
+                                       logits.device)
+    gen = torch.Generator().manual_seed(0)
+    ids = sampler.sample(sampler.process_logits(logits.repeat(n, 1), t), t, gen)
+    freq = torch.bincount(ids, minlength=4).float() / n
+    # 4 standard errors of a binomial proportion
+    assert torch.all((freq - probs).abs() < 4 * torch.sqrt(probs * (1 - probs) / n))
+
+
+def test_logprobs_are_raw_model_logprobs():
+    logits = torch.tensor([[2.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
+    res = sampler.logprobs_of(logits, torch.tensor([1, 2]), [2, None])
+    chosen, top = res[0]
+    assert math.isclose(chosen, torch.log_softmax(logits[0], -1)[1].item(), abs_tol=1e-6)
+    assert [tok for tok, _ in top] == [0, 1]
+    assert res[1] is None
