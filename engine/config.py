@@ -2,7 +2,36 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+SPEC_METHODS = ("none", "draft_model", "ngram")
+
+
+@dataclass
+class SpeculativeConfig:
+    method: str = "none"  # draft_model | ngram | none
+    draft_model: str | None = None  # recipe name, folder or hub id (method draft_model)
+    draft_dtype: str | None = None  # defaults to the target's dtype; exactness does not need it
+    draft_gguf_file: str | None = None
+    k_max: int = 4  # most draft tokens per sequence per step (0..16)
+    adaptive: bool = True  # choose k per step from measured costs; False: always k_max
+    calibrate: bool = True  # time a few forward sizes at start-up to seed the cost model
+    ngram_min_n: int = 1
+    ngram_max_n: int = 4
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"invalid speculative config method: {self.method!r}; "
+                             f"use one of {SPEC_METHODS}")
+        if not isinstance(self.k_max, int) or not 0 <= self.k_max <= 16:
+            raise ValueError(f"invalid speculative config k_max: {self.k_max!r}, must be in 0..16")
+        if self.method == "draft_model" and not self.draft_model:
+            raise ValueError("invalid speculative config draft_model: method draft_model needs "
+                             "a draft model")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none" and self.k_max > 0
 
 
 @dataclass
@@ -22,8 +51,15 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0  # for requests without a seed of their own
     num_threads: int | None = None  # torch CPU threads; None leaves torch's default
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
+        if isinstance(self.speculative, dict):
+            known = set(SpeculativeConfig.__dataclass_fields__)
+            unknown = sorted(set(self.speculative) - known)
+            if unknown:
+                raise ValueError(f"unknown speculative option(s) {unknown}; known: {sorted(known)}")
+            self.speculative = SpeculativeConfig(**self.speculative)
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"invalid engine config {name}: must be >= 1")
@@ -33,3 +69,19 @@ class EngineConfig:
             raise ValueError("invalid engine config kv_cache_memory_gb: must be > 0")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("invalid engine config max_model_len: must be >= 2")
+
+
+def load_engine_config(path: str, **overrides) -> EngineConfig:
+    """Read the `engine:` section of a YAML file in configs/; keyword overrides win."""
+    import dataclasses
+
+    import yaml
+
+    with open(path) as f:
+        data = (yaml.safe_load(f) or {}).get("engine", {}) or {}
+    known = {f.name for f in dataclasses.fields(EngineConfig)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"{path}: unknown engine option(s) {unknown}; known: {sorted(known)}")
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    return EngineConfig(**data)

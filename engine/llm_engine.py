@@ -1,4 +1,8 @@
-"""LLMEngine: requests in, tokens out. One `step()` = schedule -> one forward -> sample -> update.
+"""LLMEngine: requests in, tokens out.
+
+One `step()`: schedule -> ONE target forward (prompt chunks and 1 + k verification tokens
+together) -> verify (exact rejection sampling; plain sampling is the k = 0 case) -> update
+(commit, roll back rejected slots, stop checks) -> propose the next drafts.
 
 Must not know about HTTP. The server drives `step()` from its own thread through a small client
 class; offline users call `generate()`.
@@ -7,14 +11,15 @@ class; offline users call `generate()`.
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass, field
 
 import torch
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.model_runner import ModelRunner
-from engine.sample import sampler
+from engine.model_runner import ModelRunner, RunItem
+from engine.sample import rejection_sampler, sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sequence import Sequence
@@ -32,11 +37,13 @@ class RequestOutput:
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None  # per output token
     text: str | None = None  # filled by generate() when a tokenizer is present
     metrics: dict[str, float] = field(default_factory=dict)
+    num_drafted_tokens: int = 0  # speculation: draft tokens verified for this request
+    num_accepted_tokens: int = 0  # ... and accepted
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, model: torch.nn.Module | None = None,
-                 tokenizer=None) -> None:
+                 tokenizer=None, draft_model: torch.nn.Module | None = None) -> None:
         self.config = config = config or EngineConfig()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -47,7 +54,11 @@ class LLMEngine:
                                           config.gguf_file, config.tokenizer,
                                           config.model_cache_dir)
         self.tokenizer = tokenizer
-        num_blocks = config.num_blocks or self._blocks_for_memory(model)
+        spec = config.speculative
+        if spec.enabled and spec.method == "draft_model" and draft_model is None:
+            draft_model = self._load_draft(model)
+        models = [model] + ([draft_model] if spec.enabled and spec.method == "draft_model" else [])
+        num_blocks = config.num_blocks or self._blocks_for_memory(models)
         self.runner = ModelRunner(model, num_blocks, config.block_size)
         self.vocab_size = self.runner.shape.vocab_size
         self.block_manager = BlockManager(num_blocks, config.block_size,
@@ -63,17 +74,88 @@ class LLMEngine:
         self._sequences: dict[str, Sequence] = {}
         self._num_emitted: dict[str, int] = {}
         self._ids = itertools.count()
+        self.speculator = self._build_speculator(models, num_blocks) if spec.enabled else None
 
     # -- setup helpers ---------------------------------------------------------------------
-    def _blocks_for_memory(self, model: torch.nn.Module) -> int:
+    def _load_draft(self, target: torch.nn.Module) -> torch.nn.Module:
+        from engine.models.loader import load_model
+
+        spec = self.config.speculative
+        device = str(next(target.parameters()).device)
+        draft, _ = load_model(spec.draft_model, spec.draft_dtype or self.config.dtype, device,
+                              spec.draft_gguf_file, None, self.config.model_cache_dir)
+        return draft
+
+    def _blocks_for_memory(self, models: list[torch.nn.Module]) -> int:
+        """Blocks that fit kv_cache_memory_gb; a draft model's KV shares the same block ids."""
         from engine.attention.paged import PagedKVCache
         from engine.model_runner import ModelShape
 
-        shape = ModelShape.of(model)
-        per_block = PagedKVCache.bytes_per_block(shape.num_layers, self.config.block_size,
-                                                 shape.num_kv_heads, shape.head_dim,
-                                                 next(model.parameters()).dtype)
+        per_block = 0
+        for model in models:
+            shape = ModelShape.of(model)
+            per_block += PagedKVCache.bytes_per_block(shape.num_layers, self.config.block_size,
+                                                      shape.num_kv_heads, shape.head_dim,
+                                                      next(model.parameters()).dtype)
         return max(1, int(self.config.kv_cache_memory_gb * (1 << 30) // per_block))
+
+    def _build_speculator(self, models: list[torch.nn.Module], num_blocks: int):
+        from engine.spec_decode.draft_model import DraftModelProposer
+        from engine.spec_decode.ngram import NgramProposer
+        from engine.spec_decode.speculator import Speculator
+
+        spec = self.config.speculative
+        if spec.method == "ngram":
+            proposer = NgramProposer(spec.ngram_min_n, spec.ngram_max_n)
+        else:
+            tok_size = len(self.tokenizer) if self.tokenizer is not None else None
+            proposer = DraftModelProposer(models[1], num_blocks, self.config.block_size,
+                                          self.block_manager, self.vocab_size, tok_size,
+                                          self.config.seed)
+        speculator = Speculator(spec, proposer, self.max_model_len)
+        if spec.adaptive and spec.calibrate:
+            self._calibrate(speculator)
+        return speculator
+
+    def _calibrate(self, speculator) -> None:
+        """Seed the cost model: time target passes of n tokens and draft steps of b sequences."""
+        from engine.sequence import Sequence
+        from engine.spec_decode.speculator import CALIBRATION_BATCH, CALIBRATION_TOKENS
+
+        context = 64
+        dummy = Sequence("__calibration__", [0] * context, SamplingParams())
+        need = context + max(CALIBRATION_TOKENS)
+        if not self.block_manager.allocate(dummy, need):
+            return
+        try:
+            self.runner.execute([RunItem([0] * context, 0, dummy.block_table, 1)])  # warm-up
+            for n in CALIBRATION_TOKENS:
+                seconds = self._time(lambda: self.runner.execute(
+                    [RunItem([0] * n, context, dummy.block_table, n)]))
+                speculator.controller.target_cost.record(n, seconds)
+            draft_runner = getattr(speculator.proposer, "runner", None)
+            if draft_runner is not None:
+                draft_runner.execute([RunItem([0] * context, 0, dummy.block_table, 1)])
+                for b in CALIBRATION_BATCH:
+                    items = [RunItem([0], context, dummy.block_table, 1)] * b
+                    seconds = self._time(lambda: draft_runner.execute(items))
+                    speculator.controller.draft_cost.record(b, seconds)
+        finally:
+            self.block_manager.free(dummy)
+
+    def _time(self, fn, repeats: int = 2) -> float:
+        best = float("inf")
+        for _ in range(repeats):
+            self._sync()
+            t0 = time.perf_counter()
+            fn()
+            self._sync()
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _max_model_len(self, model: torch.nn.Module, num_blocks: int) -> int:
         model_len = getattr(model.config.get_text_config(), "max_position_embeddings", None)
@@ -123,7 +205,11 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> RequestOutput | None:
         seq = self.scheduler.abort(request_id)
-        return self._output(seq) if seq else None
+        if seq is None:
+            return None
+        if self.speculator:
+            self.speculator.forget(seq, finished=True)
+        return self._output(seq)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
@@ -146,36 +232,100 @@ class LLMEngine:
     # -- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
+        spec = self.speculator
+        if spec:
+            for seq in out.preempted:
+                spec.forget(seq, finished=False)
         if out.is_empty:
             return []
-        step_logits = self.runner.execute(out.scheduled)
-        new_tokens = self._sample(out, step_logits)
+        items = [RunItem(s.token_ids, s.start, s.seq.block_table, s.num_sample_rows)
+                 for s in out.scheduled]
+        t0 = time.perf_counter()
+        step_logits = self.runner.execute(items)
+        if spec:
+            self._sync()
+            spec.record_target_step(out.num_batched_tokens, time.perf_counter() - t0)
+        new_tokens, logprobs = self._verify(out, step_logits)
+        num_outputs = [s.seq.num_output_tokens for s in out.scheduled]
         changed = self.scheduler.update(out, new_tokens)
+        for sched, before, lps in zip(out.scheduled, num_outputs, logprobs):
+            if lps:  # keep the logprobs of the tokens actually committed
+                seq = sched.seq
+                seq.output_logprobs += lps[:seq.num_output_tokens - before]
+        if spec:
+            for seq in changed:
+                if seq.is_finished:
+                    spec.forget(seq, finished=True)
+            spec.propose(self.scheduler.running, self.config.max_num_batched_tokens,
+                         self._row_spec)
         return [self._output(seq) for seq in changed]
 
-    def _sample(self, out: SchedulerOutput, step_logits) -> list[list[int]]:
-        """One token per sequence whose scheduled tokens reach its end; none for prompt chunks."""
-        rows, owners = [], []
+    def _row_spec(self, seq: Sequence, drafts: list[int]) -> sampler.RowSpec:
+        """How to sample the position after `drafts` (the drafts count as generated tokens)."""
+        history = seq.output_token_ids + drafts if drafts else seq.output_token_ids
+        return sampler.RowSpec(seq.params, seq.prompt_token_ids, history,
+                                self._seq_generators.get(seq.request_id))
+
+    def _verify(self, out: SchedulerOutput, step_logits):
+        """Tokens (and logprobs) per scheduled sequence: accepted drafts + one token.
+
+        A sequence with k verified drafts owns k + 1 rows; k = 0 is plain sampling. Prompt
+        chunks that do not reach the end of the prompt own no rows and get no tokens.
+        """
+        specs, owners, drafted = [], [], []
         for i, sched in enumerate(out.scheduled):
             lo, hi = step_logits.row_offsets[i], step_logits.row_offsets[i + 1]
             if hi == lo:
                 continue
-            seq = sched.seq
-            rows.append(sampler.RowSpec(seq.params, seq.prompt_token_ids, seq.output_token_ids,
-                                        self._seq_generators.get(seq.request_id)))
-            owners.append((i, hi - 1))
+            seq, k = sched.seq, hi - lo - 1
+            drafts = seq.draft_token_ids[:k]  # the budget may have cut the drafts short
+            specs += [self._row_spec(seq, drafts[:j]) for j in range(k + 1)]
+            owners.append((i, lo))
+            drafted.append(drafts)
         new_tokens: list[list[int]] = [[] for _ in out.scheduled]
-        if not rows:
-            return new_tokens
-        raw = step_logits.logits[[row for _, row in owners]]  # [R, V]
-        tensors = sampler.build_sampling_tensors(rows, self.vocab_size, self.device)
-        token_ids = sampler.sample(sampler.process_logits(raw, tensors), tensors, self.generator)
-        logprobs = sampler.logprobs_of(raw, token_ids, [r.params.logprobs for r in rows])
-        for (i, _), token, lp in zip(owners, token_ids.tolist(), logprobs):
-            new_tokens[i] = [token]
-            if lp is not None:
-                out.scheduled[i].seq.output_logprobs.append(lp)
-        return new_tokens
+        logprobs: list[list] = [[] for _ in out.scheduled]
+        if not specs:
+            return new_tokens, logprobs
+        raw = step_logits.logits  # [R, V]: exactly the rows of `specs`, in order
+        tensors = sampler.build_sampling_tensors(specs, self.vocab_size, self.device)
+        processed = sampler.process_logits(raw, tensors)
+        if not any(drafted):  # no speculation this step: one vectorized draw
+            emitted = [[t] for t in sampler.sample(processed, tensors, self.generator).tolist()]
+        else:
+            emitted = self._rejection_sample(out, owners, drafted, processed, tensors)
+        rows, tokens, nums = [], [], []
+        for (i, lo), toks, drafts in zip(owners, emitted, drafted):
+            seq = out.scheduled[i].seq
+            new_tokens[i] = toks
+            if self.speculator:
+                self.speculator.record(seq, len(drafts), len(toks) - 1)
+            if seq.params.logprobs is not None:
+                rows += range(lo, lo + len(toks))
+                tokens += toks
+                nums += [seq.params.logprobs] * len(toks)
+        if rows:
+            lps = sampler.logprobs_of(raw[rows], torch.tensor(tokens, device=raw.device), nums)
+            it = iter(lps)
+            for (i, _), toks in zip(owners, emitted):
+                if out.scheduled[i].seq.params.logprobs is not None:
+                    logprobs[i] = [next(it) for _ in toks]
+        return new_tokens, logprobs
+
+    def _rejection_sample(self, out, owners, drafted, processed, tensors) -> list[list[int]]:
+        seqs = [out.scheduled[i].seq for i, _ in owners]
+        greedy = [s.params.greedy for s in seqs]
+        # greedy rows only need the argmax, which the processed logits already have
+        target = processed if all(greedy) else torch.softmax(processed, dim=-1)
+        qs = [self.speculator.draft_probs(s, len(d)) for s, d in zip(seqs, drafted)]
+        draft_probs = None
+        if any(q is not None for q, d in zip(qs, drafted) if d):
+            draft_probs = torch.cat([q for q, d in zip(qs, drafted) if d])
+        flat = [t for d in drafted for t in d]
+        emitted = rejection_sampler.rejection_sample(
+            torch.tensor(flat, dtype=torch.long, device=self.device), [len(d) for d in drafted],
+            draft_probs, target, greedy,
+            [self._seq_generators.get(s.request_id) for s in seqs], self.generator)
+        return rejection_sampler.to_lists(emitted)
 
     def _output(self, seq: Sequence) -> RequestOutput:
         rid = seq.request_id
@@ -187,6 +337,7 @@ class LLMEngine:
             new_token_ids=outputs[emitted:], finished=seq.is_finished,
             finish_reason=seq.finish_reason, num_cached_tokens=seq.num_cached_tokens,
             logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
+            num_drafted_tokens=seq.num_drafted_tokens, num_accepted_tokens=seq.num_accepted_tokens,
             metrics={"arrival_time": seq.arrival_time,
                      "first_scheduled_time": seq.first_scheduled_time or 0.0,
                      "first_token_time": seq.first_token_time or 0.0,

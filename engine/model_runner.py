@@ -18,7 +18,6 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import paged
-from engine.scheduler import ScheduledSeq
 
 
 @dataclass
@@ -38,9 +37,19 @@ class ModelShape:
 
 
 @dataclass
+class RunItem:
+    """One sequence's part of a forward: new tokens at positions start, start + 1, ..."""
+
+    token_ids: list[int]
+    start: int
+    block_table: list[int]  # covers every position up to start + len(token_ids)
+    num_rows: int  # logits wanted at the last num_rows new tokens
+
+
+@dataclass
 class StepLogits:
     logits: torch.Tensor  # [num_rows, vocab_size] float32, raw model logits
-    row_offsets: list[int]  # scheduled[i] owns rows row_offsets[i] : row_offsets[i + 1]
+    row_offsets: list[int]  # items[i] owns rows row_offsets[i] : row_offsets[i + 1]
 
 
 class ModelRunner:
@@ -63,24 +72,19 @@ class ModelRunner:
         self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSeq]) -> StepLogits:
+    def execute(self, items: list[RunItem]) -> StepLogits:
         input_ids, positions, slot_mapping, keep, row_offsets = [], [], [], [], [0]
         spans = []
         bs = self.block_size
-        for s in scheduled:
-            seq, start, end = s.seq, s.start, s.end
-            tokens = seq.token_ids[start:end]
-            if end > seq.num_tokens:  # draft tokens to verify follow the committed ones
-                tokens += seq.draft_token_ids[max(start - seq.num_tokens, 0):end - seq.num_tokens]
+        for item in items:
+            start, end, table = item.start, item.start + len(item.token_ids), item.block_table
             q_start = len(input_ids)
-            input_ids += tokens
+            input_ids += item.token_ids
             positions += range(start, end)
-            table = seq.block_table
             slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, end)]
             spans.append(paged.SeqSpan(q_start, end - start, end, table))
-            n = s.num_sample_rows
-            keep += range(q_start + end - start - n, q_start + end - start)
-            row_offsets.append(row_offsets[-1] + n)
+            keep += range(q_start + end - start - item.num_rows, q_start + end - start)
+            row_offsets.append(row_offsets[-1] + item.num_rows)
         dev = self.device
         self.kv.meta = self.kv.backend.build_metadata(spans, slot_mapping, bs, dev)
         try:

@@ -46,6 +46,11 @@ class ScheduledSeq:
         return self.end - max(self.start, seq.num_tokens - 1)
 
 
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.tokens_between(self.start, self.end)
+
+
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
@@ -135,6 +140,7 @@ class Scheduler:
             self.waiting.popleft()
             bm.record_prefix_lookup(seq.num_tokens, num_computed)
             seq.num_computed_tokens = num_computed
+            seq.num_draft_computed = 0  # the draft recomputes its own KV, also of shared blocks
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = num_computed
             seq.status = SequenceStatus.RUNNING
@@ -148,6 +154,7 @@ class Scheduler:
         """Free the sequence's blocks; it is recomputed from its committed tokens later."""
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
+        seq.num_draft_computed = 0
         seq.draft_token_ids = []
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
@@ -175,6 +182,7 @@ class Scheduler:
                 continue
             # KV is valid up to the last accepted draft; the final emitted token has none yet.
             seq.num_computed_tokens = min(end, num_committed + len(tokens) - 1)
+            seq.num_draft_computed = min(seq.num_draft_computed, seq.num_computed_tokens)
             if seq.first_token_time is None:
                 seq.first_token_time = now
             for token in tokens:

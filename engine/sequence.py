@@ -31,6 +31,11 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.draft_token_ids: list[int] = []
         self.num_computed_tokens = 0
+        self.num_draft_computed = 0  # leading tokens whose draft-model KV is valid
+        # speculation stats of this request
+        self.num_drafted_tokens = 0
+        self.num_accepted_tokens = 0
+        self.num_spec_rejections = 0  # verifications that ended in a rejection
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of full committed blocks
         self.status = SequenceStatus.WAITING
@@ -68,6 +73,14 @@ class Sequence:
     def num_uncomputed_tokens(self) -> int:
         """Tokens (committed and draft) whose KV is not yet in the cache."""
         return self.num_tokens + len(self.draft_token_ids) - self.num_computed_tokens
+
+    def tokens_between(self, start: int, end: int) -> list[int]:
+        """Tokens at positions [start, end) of committed tokens followed by drafts."""
+        tokens = self.token_ids[start:end]
+        if end > self.num_tokens:
+            n = self.num_tokens
+            tokens += self.draft_token_ids[max(start - n, 0):end - n]
+        return tokens
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id!r}, tokens={self.num_tokens}, "

@@ -5,7 +5,7 @@ import torch
 
 from conftest import build_tiny_model, clone_model, random_prompts
 from engine.block_manager import BlockManager
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, RunItem
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
@@ -21,7 +21,8 @@ def _execute_every_row(runner, scheduled):
         seq.token_ids = full[seq.request_id][:s.start + 1]
         seq.draft_token_ids = full[seq.request_id][s.start + 1:s.end]
     try:
-        result = runner.execute(scheduled)
+        result = runner.execute([RunItem(s.token_ids, s.start, s.seq.block_table,
+                                         s.num_sample_rows) for s in scheduled])
     finally:
         for s in scheduled:
             s.seq.token_ids, s.seq.draft_token_ids = full[s.seq.request_id], []
@@ -61,7 +62,8 @@ def test_only_sampled_rows_are_returned():
     b = Sequence("b", random_prompts([10], seed=2)[0], SamplingParams())
     bm.allocate(a, 20)
     bm.allocate(b, 10)
-    out = runner.execute([ScheduledSeq(a, 20), ScheduledSeq(b, 10)])
+    out = runner.execute([RunItem(a.token_ids[:20], 0, a.block_table, 0),
+                          RunItem(b.token_ids, 0, b.block_table, 1)])
     assert out.row_offsets == [0, 0, 1]  # a's chunk does not reach its end
     with torch.no_grad():
         full = ref(torch.tensor([b.token_ids])).logits[0, -1]

@@ -61,3 +61,23 @@ def test_smollm2_chat_template_and_text(smollm2):
                                      add_generation_prompt=True, tokenize=False)
     out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=12))[0]
     assert out.text and out.text.strip()
+
+
+def test_smollm2_ngram_speculation_is_exact(smollm2):
+    """Prompt lookup on a real model: the same greedy tokens as plain decoding."""
+    from engine.config import SpeculativeConfig
+
+    ref, mine, tok = smollm2
+    code = ("def area(r):\n    return 3.14159 * r * r\n\n"
+            "def perimeter(r):\n    return 2 * 3.14159 * r\n\n")
+    prompts = [tok.encode(code + "Rewrite both functions with math.pi:\n"),
+               tok.encode(PROMPTS[4]), tok.encode(PROMPTS[5]), tok.encode(code * 2)]
+    greedy = SamplingParams(temperature=0, max_tokens=24)
+    plain = LLMEngine(EngineConfig(num_blocks=256), model=ref, tokenizer=tok).generate(
+        prompts, greedy)
+    spec_cfg = SpeculativeConfig(method="ngram", k_max=5, adaptive=False)
+    engine = LLMEngine(EngineConfig(num_blocks=256, speculative=spec_cfg), model=mine,
+                       tokenizer=tok)
+    outs = engine.generate(prompts, greedy)
+    assert [o.output_token_ids for o in outs] == [o.output_token_ids for o in plain]
+    assert engine.speculator.stats.num_accepted_tokens > 0

@@ -1,0 +1,112 @@
+"""Draft-model proposer: a second, smaller transformers model with the target's tokenizer.
+
+Must not schedule or verify. It owns the draft model and its own KV tensors over the SAME block
+ids as the target (one block table per sequence); its lookahead slots are reserved through the
+block manager before it writes. Per sequence, `seq.num_draft_computed` counts the tokens whose
+draft KV is valid (the scheduler rolls it back with the target's rejected tokens).
+
+One `propose` call = k batched draft forwards: the first catches every sequence's draft cache
+up on its newly committed tokens (a whole prompt for a new sequence, the accepted tokens plus
+the bonus token otherwise) and drafts token 1; each further forward drafts one more token for
+the sequences that want it. Draft tokens are sampled from q = the draft's processed
+distribution (the same `process_logits` settings the verifier applies to the target).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.model_runner import ModelRunner, ModelShape, RunItem
+from engine.sample import sampler
+from engine.sequence import Sequence
+from engine.spec_decode.proposer import Proposal, Proposer
+
+
+def check_vocab(draft_vocab: int, target_vocab: int, tokenizer_size: int | None) -> None:
+    """Refuse a draft whose vocabulary is not the target's (padding-only differences are fine)."""
+    if draft_vocab == target_vocab:
+        return
+    if tokenizer_size is not None and tokenizer_size <= min(draft_vocab, target_vocab):
+        return  # the sizes differ only in padding rows beyond the tokenizer's vocabulary
+    raise ValueError(
+        f"draft model vocabulary ({draft_vocab} tokens) differs from the target's "
+        f"({target_vocab} tokens); speculative decoding needs the same tokenizer")
+
+
+class DraftModelProposer(Proposer):
+    def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int,
+                 block_manager: BlockManager, target_vocab_size: int,
+                 tokenizer_size: int | None = None, seed: int = 0) -> None:
+        draft_vocab = ModelShape.of(model).vocab_size
+        check_vocab(draft_vocab, target_vocab_size, tokenizer_size)
+        self.runner = ModelRunner(model, num_blocks, block_size)
+        self.block_manager = block_manager
+        self.target_vocab_size = target_vocab_size
+        self.valid_vocab = min(draft_vocab, target_vocab_size, tokenizer_size or draft_vocab)
+        self.device = self.runner.device
+        self.seed = seed
+        self.generator = torch.Generator(device=self.device).manual_seed(seed + 1)
+        self._seq_generators: dict[str, torch.Generator] = {}
+        self.last_step_seconds: list[tuple[int, float]] = []  # (batch size, seconds) per forward
+
+    def free(self, seq: Sequence) -> None:
+        self._seq_generators.pop(seq.request_id, None)
+
+    def _generator(self, seq: Sequence) -> torch.Generator | None:
+        """A seeded request drafts from its own stream, separate from the verifier's."""
+        if seq.params.seed is None:
+            return None
+        gen = self._seq_generators.get(seq.request_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device).manual_seed(seq.params.seed ^ 0x5EED)
+            self._seq_generators[seq.request_id] = gen
+        return gen
+
+    def _reserve(self, seq: Sequence, k: int) -> int:
+        """Reserve the slots the draft writes (up to position num_tokens + k - 2); shrink k if short."""
+        while k > 0 and not self.block_manager.allocate(seq, seq.num_tokens + k - 1):
+            k -= 1
+        return k
+
+    def _to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        # [n, V_draft] -> [n, V_target]; ids past the tokenizer's vocabulary are never drafted
+        out = torch.full((logits.shape[0], self.target_vocab_size), float("-inf"),
+                         dtype=logits.dtype, device=logits.device)
+        out[:, :self.valid_vocab] = logits[:, :self.valid_vocab]
+        return out
+
+    @torch.inference_mode()
+    def propose(self, seqs: list[Sequence], ks: list[int], rows=None) -> Proposal:
+        import time
+
+        ks = [self._reserve(s, k) for s, k in zip(seqs, ks)]
+        drafts: list[list[int]] = [[] for _ in seqs]
+        probs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        active = [i for i, k in enumerate(ks) if k > 0]
+        # first forward: catch up on committed tokens, then one new token per step
+        items = [RunItem(seqs[i].token_ids[seqs[i].num_draft_computed:],
+                         seqs[i].num_draft_computed, seqs[i].block_table, 1) for i in active]
+        self.last_step_seconds = []
+        step = 0
+        while active:
+            t0 = time.perf_counter()
+            logits = self._to_target_vocab(self.runner.execute(items).logits)  # [n, V]
+            specs = [dataclasses.replace(rows(i, drafts[i]), generator=self._generator(seqs[i]))
+                     for i in active]
+            tensors = sampler.build_sampling_tensors(specs, self.target_vocab_size, self.device)
+            processed = sampler.process_logits(logits, tensors)
+            tokens = sampler.sample(processed, tensors, self.generator).tolist()
+            q = torch.softmax(processed, dim=-1)  # [n, V]
+            self.last_step_seconds.append((len(active), time.perf_counter() - t0))
+            step += 1
+            for j, i in enumerate(active):
+                drafts[i].append(tokens[j])
+                probs[i].append(q[j])
+                seqs[i].num_draft_computed = seqs[i].num_tokens + step - 1
+            active = [i for i in active if ks[i] > step]
+            items = [RunItem([drafts[i][-1]], seqs[i].num_tokens + step - 1, seqs[i].block_table, 1)
+                     for i in active]
+        return Proposal(drafts, [torch.stack(p) if p else None for p in probs])

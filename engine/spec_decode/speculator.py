@@ -1,0 +1,94 @@
+"""Speculation inside the engine step: choose k, propose drafts, keep q and the statistics.
+
+Must not schedule or verify: the engine calls `propose` after the scheduler committed a step's
+tokens, and reads `draft_probs` when it verifies the drafts in the next step's target pass.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from engine.config import SpeculativeConfig
+from engine.sequence import Sequence
+from engine.spec_decode.adaptive import AcceptanceStats, KController
+from engine.spec_decode.proposer import Proposer
+from engine.spec_decode.stats import SpecDecodeStats
+
+CALIBRATION_TOKENS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
+CALIBRATION_BATCH = (1, 2, 4, 8, 16, 32)
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer, max_model_len: int) -> None:
+        self.config = config
+        self.proposer = proposer
+        self.max_model_len = max_model_len
+        self.controller = KController(config.k_max, config.adaptive,
+                                      draft_cost_free=config.method == "ngram")
+        self.stats = SpecDecodeStats(k_max=config.k_max)
+        self._draft_probs: dict[str, torch.Tensor] = {}  # request id -> [k, V] q
+
+    # -- drafting --------------------------------------------------------------------------
+    def propose(self, running: list[Sequence], budget: int, row_spec) -> None:
+        """Choose k and draft for every running sequence that is decoding.
+
+        `row_spec(seq, drafts_so_far)` -> the sampler's RowSpec at the next position.
+        """
+        candidates = [s for s in running if s.params.speculative
+                      and s.num_computed_tokens == s.num_tokens - 1]
+        if not candidates:
+            return
+        ctl = self.controller
+        alphas = [AcceptanceStats(s.num_accepted_tokens, s.num_spec_rejections)
+                  .estimate(ctl.prior_acceptance) for s in candidates]
+        others = sum(min(s.num_uncomputed_tokens, budget) for s in running
+                     if s not in candidates)
+        ks = [min(k, self._room(s)) for s, k in zip(candidates, ctl.choose(alphas, others))]
+        self.stats.record_choice(ks)
+        chosen = [(s, k) for s, k in zip(candidates, ks) if k > 0]
+        if not chosen:
+            return
+        seqs = [s for s, _ in chosen]
+        t0 = time.perf_counter()
+        proposal = self.proposer.propose(seqs, [k for _, k in chosen],
+                                         lambda i, drafts: row_spec(seqs[i], drafts))
+        self.stats.draft_seconds += time.perf_counter() - t0
+        for batch, seconds in getattr(self.proposer, "last_step_seconds", ()):
+            ctl.draft_cost.record(batch, seconds)
+        for seq, drafts, q in zip(seqs, proposal.token_ids, proposal.probs):
+            seq.draft_token_ids = list(drafts)
+            if q is not None and drafts:
+                self._draft_probs[seq.request_id] = q
+            else:
+                self._draft_probs.pop(seq.request_id, None)
+
+    def _room(self, seq: Sequence) -> int:
+        """Drafts that can still matter: before max_tokens and inside the context."""
+        room = self.max_model_len - seq.num_tokens
+        if seq.params.max_tokens is not None:
+            room = min(room, seq.params.max_tokens - seq.num_output_tokens - 1)
+        return max(room, 0)
+
+    # -- verification bookkeeping ------------------------------------------------------------
+    def draft_probs(self, seq: Sequence, k: int) -> torch.Tensor | None:
+        q = self._draft_probs.pop(seq.request_id, None)
+        return None if q is None else q[:k]
+
+    def record(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
+        if not num_drafted:
+            return
+        seq.num_drafted_tokens += num_drafted
+        seq.num_accepted_tokens += num_accepted
+        seq.num_spec_rejections += num_accepted < num_drafted
+        self.stats.record_verification(num_drafted, num_accepted)
+        self.controller.record_verification(num_drafted, num_accepted)
+
+    def record_target_step(self, num_tokens: int, seconds: float) -> None:
+        self.controller.target_cost.record(num_tokens, seconds)
+
+    def forget(self, seq: Sequence, finished: bool) -> None:
+        self._draft_probs.pop(seq.request_id, None)
+        if finished:
+            self.proposer.free(seq)

@@ -1,0 +1,52 @@
+"""Speculation statistics: plain counters (the metrics module exports them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecDecodeStats:
+    k_max: int = 0
+    num_drafts: int = 0  # verifications of at least one draft token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_emitted_tokens: int = 0  # tokens emitted by those verifications (accepted + 1 each)
+    accepted_per_pos: list[int] = field(default_factory=list)  # [k_max] accepted at position j
+    k_chosen_sum: int = 0  # sum of k chosen over drafting decisions (k = 0 included)
+    k_chosen_count: int = 0
+    last_mean_k: float = 0.0  # mean k chosen in the latest step that had decoding sequences
+    draft_seconds: float = 0.0
+    verify_steps: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.accepted_per_pos:
+            self.accepted_per_pos = [0] * self.k_max
+
+    def record_choice(self, ks: list[int]) -> None:
+        self.k_chosen_sum += sum(ks)
+        self.k_chosen_count += len(ks)
+        self.last_mean_k = sum(ks) / len(ks) if ks else 0.0
+
+    def record_verification(self, num_drafted: int, num_accepted: int) -> None:
+        if not num_drafted:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafted
+        self.num_accepted_tokens += num_accepted
+        self.num_emitted_tokens += num_accepted + 1
+        for j in range(num_accepted):
+            self.accepted_per_pos[j] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per verification that had drafts (accepted + the final token)."""
+        return self.num_emitted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    @property
+    def mean_k(self) -> float:
+        return self.k_chosen_sum / self.k_chosen_count if self.k_chosen_count else 0.0

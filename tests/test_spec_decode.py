@@ -1,0 +1,257 @@
+"""Speculative decoding in the engine: exactness, distribution, rollback, adaptive k, config."""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from conftest import build_tiny_model, clone_model, random_prompts
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.config import SpeculativeConfig
+from engine.spec_decode.adaptive import CostTable, KController, expected_tokens
+from engine.spec_decode.ngram import ngram_lookup
+
+LENGTHS = [3, 50, 17, 90, 8, 33, 1, 64]
+
+
+def make_engine(target, method="none", draft=None, k_max=4, adaptive=False, **kw):
+    cfg = dict(num_blocks=256, max_num_batched_tokens=128, max_num_seqs=16)
+    cfg.update(kw)
+    spec = SpeculativeConfig(method=method, draft_model="in-memory" if draft else None,
+                             k_max=k_max, adaptive=adaptive, calibrate=adaptive)
+    return LLMEngine(EngineConfig(speculative=spec, **cfg), model=clone_model(target),
+                     draft_model=clone_model(draft) if draft is not None else None)
+
+
+def staggered(engine, prompts, params):
+    ids, final, step = [], {}, 0
+    while len(final) < len(prompts):
+        if len(ids) < len(prompts) and step % 2 == 0:
+            ids.append(engine.add_request(prompts[len(ids)], params[len(ids)]))
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+        step += 1
+        assert step < 3000
+    return [final[i] for i in ids]
+
+
+def repetitive_prompts():
+    """Prompts that repeat themselves, so prompt lookup has something to find."""
+    base = random_prompts([12, 7, 20, 5], seed=9)
+    return [b * 4 for b in base] + random_prompts([30, 9, 44, 16], seed=10)
+
+
+@pytest.mark.parametrize("draft_kind", ["copy", "different", "ngram"])
+def test_greedy_with_speculation_equals_without(draft_kind):
+    target = build_tiny_model("qwen2")
+    prompts = random_prompts(LENGTHS) if draft_kind != "ngram" else repetitive_prompts()
+    params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)] * len(prompts)
+    plain = staggered(make_engine(target), prompts, params)
+    if draft_kind == "ngram":
+        engine = make_engine(target, "ngram", k_max=5)
+    else:
+        draft = target if draft_kind == "copy" else build_tiny_model("qwen2", seed=1)
+        engine = make_engine(target, "draft_model", draft)
+    spec = staggered(engine, prompts, params)
+    assert [o.output_token_ids for o in spec] == [o.output_token_ids for o in plain]
+    st = engine.speculator.stats
+    assert st.num_draft_tokens > 0 and st.num_accepted_tokens <= st.num_draft_tokens
+    if draft_kind == "copy":
+        assert st.acceptance_rate > 0.95  # a copy of the target agrees everywhere
+    if draft_kind == "different":
+        assert st.acceptance_rate < 0.5  # different weights: much is rejected
+    assert sum(o.num_drafted_tokens for o in spec) == st.num_draft_tokens
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_greedy_with_penalties_and_stop_inside_accepted_runs():
+    target = build_tiny_model("llama")
+    prompts = random_prompts(LENGTHS, seed=4)
+    params = [SamplingParams(temperature=0, max_tokens=7 + i, ignore_eos=True,
+                             repetition_penalty=1.3, presence_penalty=0.5)
+              for i in range(len(prompts))]
+    plain = staggered(make_engine(target), prompts, params)
+    engine = make_engine(target, "draft_model", target, k_max=6)
+    spec = staggered(engine, prompts, params)
+    assert [o.output_token_ids for o in spec] == [o.output_token_ids for o in plain]
+    assert all(len(o.output_token_ids) == 7 + i for i, o in enumerate(spec))
+
+
+def _third_tokens(engine, prompt, params_for_seed, seeds, batch=64):
+    tokens = []
+    for lo in range(0, len(seeds), batch):
+        chunk = seeds[lo:lo + batch]
+        outs = engine.generate([prompt] * len(chunk), [params_for_seed(s) for s in chunk])
+        tokens += [o.output_token_ids[2] for o in outs]
+    return np.array(tokens)
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_sampled_distribution_matches_plain_engine(top_p):
+    target = build_tiny_model("qwen2", num_layers=1)
+    with torch.no_grad():  # flatter logits: a spread-out distribution to compare
+        target.lm_head.weight.mul_(0.25)
+    draft = build_tiny_model("qwen2", seed=3, num_layers=1)
+    with torch.no_grad():
+        draft.lm_head.weight.copy_(target.lm_head.weight * 0.8 + draft.lm_head.weight * 0.05)
+    prompt = random_prompts([6], seed=2)[0]
+    n = 2400
+
+    def params(seed):
+        return SamplingParams(temperature=1.0, top_p=top_p, max_tokens=3, seed=seed,
+                              ignore_eos=True)
+
+    plain = _third_tokens(make_engine(target), prompt, params, list(range(n)))
+    engine = make_engine(target, "draft_model", draft, k_max=3)
+    spec = _third_tokens(engine, prompt, params, list(range(n, 2 * n)))
+    st = engine.speculator.stats
+    assert 0.05 < st.acceptance_rate < 0.99  # drafts were both accepted and rejected
+    # two-sample χ² over tokens seen at least 10 times in total; the rest pooled
+    values = np.union1d(plain, spec)
+    table = np.array([[np.sum(plain == v), np.sum(spec == v)] for v in values])
+    common = table.sum(1) >= 10
+    table = np.vstack([table[common], table[~common].sum(0, keepdims=True)])
+    table = table[table.sum(1) > 0]
+    _, pvalue, _, _ = stats.chi2_contingency(table)
+    assert pvalue > 0.001
+
+
+@pytest.mark.parametrize("num_blocks", [256, 20])
+def test_no_block_leak_with_and_without_preemption(num_blocks):
+    target = build_tiny_model("qwen2")
+    draft = build_tiny_model("qwen2", seed=1)
+    engine = make_engine(target, "draft_model", draft, num_blocks=num_blocks, block_size=8,
+                         max_num_seqs=16)
+    prompts = random_prompts([10 + 5 * i for i in range(12)], seed=8)
+    greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    outs = engine.generate(prompts, greedy)
+    plain = make_engine(target).generate(prompts, greedy)
+    assert [o.output_token_ids for o in outs] == [o.output_token_ids for o in plain]
+    if num_blocks == 20:
+        assert engine.scheduler.stats.num_preemptions > 0
+    assert engine.block_manager.num_free_blocks == num_blocks
+    assert engine.speculator._draft_probs == {}
+
+
+def test_request_can_opt_out_of_speculation():
+    target = build_tiny_model("qwen2")
+    engine = make_engine(target, "draft_model", target)
+    prompts = random_prompts([10, 12])
+    outs = engine.generate(prompts, [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+                                     SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
+                                                    speculative=False)])
+    assert outs[0].num_drafted_tokens > 0 and outs[1].num_drafted_tokens == 0
+
+
+def test_adaptive_engine_calibrates_and_stays_exact():
+    target = build_tiny_model("qwen2")
+    engine = make_engine(target, "draft_model", target, adaptive=True)
+    assert not engine.speculator.controller.target_cost.empty
+    assert not engine.speculator.controller.draft_cost.empty
+    prompts = random_prompts(LENGTHS)
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    outs = engine.generate(prompts, greedy)
+    plain = make_engine(target).generate(prompts, greedy)
+    assert [o.output_token_ids for o in outs] == [o.output_token_ids for o in plain]
+    assert engine.speculator.stats.k_chosen_count > 0
+
+
+# -- adaptive k: the decision alone ----------------------------------------------------------
+
+def controller(target_costs, draft_costs, k_max=6):
+    ctl = KController(k_max=k_max)
+    for n, s in target_costs.items():
+        ctl.target_cost.record(n, s)
+    for b, s in draft_costs.items():
+        ctl.draft_cost.record(b, s)
+    return ctl
+
+
+def test_cost_table_interpolates_and_extrapolates():
+    t = CostTable()
+    for n, s in {1: 1.0, 4: 1.3, 8: 2.0}.items():
+        t.record(n, s)
+    assert t(1) == 1.0 and t(0.5) == 1.0
+    assert t(2) == pytest.approx(1.1)
+    assert t(16) == pytest.approx(3.4)
+    t.record(1, 2.0)  # EMA moves towards new measurements
+    assert 1.0 < t(1) < 2.0
+
+
+def test_k_is_large_when_verification_is_cheap_and_acceptance_high():
+    flat = {n: 0.1 for n in (1, 2, 4, 8, 16, 64)}
+    ctl = controller(flat, {1: 0.01, 8: 0.012})
+    ks = ctl.choose([0.9, 0.9], other_tokens=0)
+    assert min(ks) >= 4
+
+
+def test_k_is_zero_when_target_is_compute_bound_or_draft_expensive():
+    linear = {n: 0.01 * n for n in (1, 2, 4, 8, 16, 64, 256)}
+    ctl = controller(linear, {1: 0.001, 64: 0.05})
+    assert ctl.choose([0.7] * 64, other_tokens=0) == [0] * 64
+    flat = {n: 0.1 for n in (1, 2, 4, 8)}
+    expensive_draft = controller(flat, {1: 0.2})
+    assert expensive_draft.choose([0.8], other_tokens=0) == [0]
+
+
+def test_low_acceptance_sequences_get_fewer_drafts():
+    costs = {1: 0.1, 2: 0.101, 4: 0.104, 8: 0.11, 16: 0.125, 32: 0.16, 64: 0.24}
+    ctl = controller(costs, {1: 0.01, 2: 0.01})
+    high, low = ctl.choose([0.95, 0.2], other_tokens=0)
+    assert high > low
+
+
+def test_expected_tokens():
+    assert expected_tokens(0.0, 5) == 1.0
+    assert expected_tokens(1.0, 3) == 4.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+
+
+def test_fixed_k_when_not_adaptive():
+    assert KController(k_max=3, adaptive=False).choose([0.1, 0.9], 0) == [3, 3]
+
+
+# -- n-gram ----------------------------------------------------------------------------------
+
+def test_ngram_lookup_prefers_longest_most_recent_match():
+    tokens = [1, 2, 3, 4, 9, 1, 2, 3, 5, 6, 7, 2, 3]
+    assert ngram_lookup(tokens, 3, 1, 3) == [5, 6, 7]  # "2 3" most recently followed by 5
+    assert ngram_lookup([1, 2, 3], 3, 1, 3) == []
+    assert ngram_lookup([4, 4, 4, 4], 2, 1, 3) == [4]  # only what follows is available
+
+
+# -- bad configuration ---------------------------------------------------------------------
+
+def test_k_max_outside_range_is_a_config_error():
+    with pytest.raises(ValueError, match="k_max"):
+        SpeculativeConfig(method="ngram", k_max=17)
+    with pytest.raises(ValueError, match="method"):
+        SpeculativeConfig(method="medusa")
+    with pytest.raises(ValueError, match="speculative"):
+        EngineConfig(speculative={"k_maxx": 2})
+
+
+def test_draft_with_different_vocabulary_is_refused():
+    target = build_tiny_model("qwen2")
+    draft = build_tiny_model("qwen2", vocab_size=400)
+    with pytest.raises(ValueError, match="400.*320"):
+        make_engine(target, "draft_model", draft)
+
+
+def test_padding_only_vocabulary_difference_is_allowed(tiny_tokenizer):
+    target = build_tiny_model("qwen2", vocab_size=336)
+    draft = copy.deepcopy(target)
+    draft.resize_token_embeddings(330)
+    cfg = EngineConfig(num_blocks=64, speculative=SpeculativeConfig(
+        method="draft_model", draft_model="in-memory", k_max=3, adaptive=False))
+    engine = LLMEngine(cfg, model=clone_model(target), tokenizer=tiny_tokenizer,
+                       draft_model=draft)
+    outs = engine.generate(random_prompts([9], vocab_size=320),
+                           SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    plain = make_engine(target).generate(random_prompts([9], vocab_size=320),
+                                         SamplingParams(temperature=0, max_tokens=8,
+                                                        ignore_eos=True))
+    assert outs[0].output_token_ids == plain[0].output_token_ids
