@@ -13,6 +13,7 @@ class SpeculativeConfig:
     draft_model: str | None = None  # recipe name, folder or hub id (method draft_model)
     draft_dtype: str | None = None  # defaults to the target's dtype; exactness does not need it
     draft_gguf_file: str | None = None
+    draft_quantization: str = "none"  # none | int8 (weight-only dynamic int8 linears, CPU only)
     k_max: int = 4  # most draft tokens per sequence per step (0..16)
     adaptive: bool = True  # choose k per step from measured costs; False: always k_max
     calibrate: bool = True  # time a few forward sizes at start-up to seed the cost model
@@ -25,6 +26,9 @@ class SpeculativeConfig:
                              f"use one of {SPEC_METHODS}")
         if not isinstance(self.k_max, int) or not 0 <= self.k_max <= 16:
             raise ValueError(f"invalid speculative config k_max: {self.k_max!r}, must be in 0..16")
+        if self.draft_quantization not in ("none", "int8"):
+            raise ValueError(f"invalid speculative config draft_quantization: "
+                             f"{self.draft_quantization!r}; use none or int8")
         if self.method == "draft_model" and not self.draft_model:
             raise ValueError("invalid speculative config draft_model: method draft_model needs "
                              "a draft model")
@@ -51,6 +55,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0  # for requests without a seed of their own
     num_threads: int | None = None  # torch CPU threads; None leaves torch's default
+    cpu_matmul_autotune: bool = True  # time matmul forms for few-row linears at start-up (CPU)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:

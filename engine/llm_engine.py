@@ -55,11 +55,13 @@ class LLMEngine:
                                           config.model_cache_dir)
         self.tokenizer = tokenizer
         spec = config.speculative
-        if spec.enabled and spec.method == "draft_model" and draft_model is None:
-            draft_model = self._load_draft(model)
+        if spec.enabled and spec.method == "draft_model":
+            draft_model = self._prepare_draft(draft_model if draft_model is not None
+                                              else self._load_draft(model))
         models = [model] + ([draft_model] if spec.enabled and spec.method == "draft_model" else [])
         num_blocks = config.num_blocks or self._blocks_for_memory(models)
-        self.runner = ModelRunner(model, num_blocks, config.block_size)
+        self.runner = ModelRunner(model, num_blocks, config.block_size,
+                                  cpu_matmul_autotune=config.cpu_matmul_autotune)
         self.vocab_size = self.runner.shape.vocab_size
         self.block_manager = BlockManager(num_blocks, config.block_size,
                                           config.enable_prefix_caching)
@@ -86,6 +88,21 @@ class LLMEngine:
                               spec.draft_gguf_file, None, self.config.model_cache_dir)
         return draft
 
+    def _prepare_draft(self, draft: torch.nn.Module) -> torch.nn.Module:
+        """Optional weight-only int8 linears for the draft: exactness comes from the verifier."""
+        if self.config.speculative.draft_quantization != "int8":
+            return draft
+        if next(draft.parameters()).device.type != "cpu":
+            raise ValueError("invalid speculative config draft_quantization: int8 runs on the "
+                             "CPU only")
+        import warnings
+
+        from torch.ao.quantization import quantize_dynamic
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch marks the quantized tensor API deprecated
+            return quantize_dynamic(draft.float(), {torch.nn.Linear}, dtype=torch.qint8)
+
     def _blocks_for_memory(self, models: list[torch.nn.Module]) -> int:
         """Blocks that fit kv_cache_memory_gb; a draft model's KV shares the same block ids."""
         from engine.attention.paged import PagedKVCache
@@ -96,7 +113,7 @@ class LLMEngine:
             shape = ModelShape.of(model)
             per_block += PagedKVCache.bytes_per_block(shape.num_layers, self.config.block_size,
                                                       shape.num_kv_heads, shape.head_dim,
-                                                      next(model.parameters()).dtype)
+                                                      model.get_input_embeddings().weight.dtype)
         return max(1, int(self.config.kv_cache_memory_gb * (1 << 30) // per_block))
 
     def _build_speculator(self, models: list[torch.nn.Module], num_blocks: int):
@@ -111,7 +128,7 @@ class LLMEngine:
             tok_size = len(self.tokenizer) if self.tokenizer is not None else None
             proposer = DraftModelProposer(models[1], num_blocks, self.config.block_size,
                                           self.block_manager, self.vocab_size, tok_size,
-                                          self.config.seed)
+                                          self.config.seed, self.config.cpu_matmul_autotune)
         speculator = Speculator(spec, proposer, self.max_model_len)
         if spec.adaptive and spec.calibrate:
             self._calibrate(speculator)

@@ -32,7 +32,8 @@ class ModelShape:
         cfg = model.config.get_text_config()
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        vocab = model.get_output_embeddings().weight.shape[0]
+        head = model.get_output_embeddings()
+        vocab = getattr(head, "out_features", None) or head.weight.shape[0]
         return cls(cfg.num_hidden_layers, kv_heads, head_dim, vocab)
 
 
@@ -54,13 +55,18 @@ class StepLogits:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int,
-                 backend: paged.AttentionBackend | None = None) -> None:
+                 backend: paged.AttentionBackend | None = None,
+                 cpu_matmul_autotune: bool = False) -> None:
         if getattr(model.config, "is_encoder_decoder", False):
             raise ValueError("only decoder-only causal language models are supported")
         model.set_attn_implementation(paged.register())
         self.model = model.eval()
+        if cpu_matmul_autotune:
+            from engine.kernels.linear import autotune_linears
+
+            autotune_linears(model)
         self.device = next(model.parameters()).device
-        self.dtype = next(model.parameters()).dtype
+        self.dtype = model.get_input_embeddings().weight.dtype  # also for quantized linears
         self.shape = ModelShape.of(model)
         self.block_size = block_size
         self.kv = paged.PagedKVCache(self.shape.num_layers, num_blocks, block_size,

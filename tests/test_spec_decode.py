@@ -136,6 +136,20 @@ def test_no_block_leak_with_and_without_preemption(num_blocks):
     assert engine.speculator._draft_probs == {}
 
 
+def test_int8_draft_stays_exact():
+    target = build_tiny_model("qwen2")
+    spec = SpeculativeConfig(method="draft_model", draft_model="in-memory", k_max=4,
+                             adaptive=False, draft_quantization="int8")
+    engine = LLMEngine(EngineConfig(num_blocks=256, speculative=spec), model=clone_model(target),
+                       draft_model=clone_model(target))
+    prompts = random_prompts(LENGTHS)
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    plain = make_engine(target).generate(prompts, greedy)
+    outs = engine.generate(prompts, greedy)
+    assert [o.output_token_ids for o in outs] == [o.output_token_ids for o in plain]
+    assert engine.speculator.stats.acceptance_rate > 0.5  # int8 copy still mostly agrees
+
+
 def test_request_can_opt_out_of_speculation():
     target = build_tiny_model("qwen2")
     engine = make_engine(target, "draft_model", target)

@@ -39,10 +39,12 @@ def check_vocab(draft_vocab: int, target_vocab: int, tokenizer_size: int | None)
 class DraftModelProposer(Proposer):
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int,
                  block_manager: BlockManager, target_vocab_size: int,
-                 tokenizer_size: int | None = None, seed: int = 0) -> None:
+                 tokenizer_size: int | None = None, seed: int = 0,
+                 cpu_matmul_autotune: bool = False) -> None:
         draft_vocab = ModelShape.of(model).vocab_size
         check_vocab(draft_vocab, target_vocab_size, tokenizer_size)
-        self.runner = ModelRunner(model, num_blocks, block_size)
+        self.runner = ModelRunner(model, num_blocks, block_size,
+                                  cpu_matmul_autotune=cpu_matmul_autotune)
         self.block_manager = block_manager
         self.target_vocab_size = target_vocab_size
         self.valid_vocab = min(draft_vocab, target_vocab_size, tokenizer_size or draft_vocab)
