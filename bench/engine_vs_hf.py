@@ -130,7 +130,7 @@ def main() -> int:
         all_rows += rows
         matches += m
         total += n
-    header = f"| model | case | baseline tok/s | specserve tok/s | ratio | baseline |\n|---|---|---|---|---|---|"
+    header = "| model | case | baseline tok/s | specserve tok/s | ratio | baseline |\n|---|---|---|---|---|---|"
     lines = [header] + [f"| {m} | {c} | {b:.1f} | {o:.1f} | {o / b:.2f} | {what} |"
                         for m, c, b, o, what in all_rows]
     ratio = lambda key: min(o / b for _, c, b, o, _ in all_rows if key in c)  # noqa: E731

@@ -10,6 +10,7 @@ class; offline users call `generate()`.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -99,9 +100,12 @@ class LLMEngine:
 
         from torch.ao.quantization import quantize_dynamic
 
+        # dynamic int8 linears take fp32 activations; never change the caller's model in place
+        fp32 = draft if draft.dtype == torch.float32 else copy.deepcopy(draft).float()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch marks the quantized tensor API deprecated
-            return quantize_dynamic(draft.float(), {torch.nn.Linear}, dtype=torch.qint8)
+            return quantize_dynamic(fp32, {torch.nn.Linear}, dtype=torch.qint8,
+                                    inplace=fp32 is not draft)
 
     def _blocks_for_memory(self, models: list[torch.nn.Module]) -> int:
         """Blocks that fit kv_cache_memory_gb; a draft model's KV shares the same block ids."""

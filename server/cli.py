@@ -27,6 +27,33 @@ def _models_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from server.app import serve
+    from server.config import load_config
+
+    server = {k: v for k, v in {
+        "host": args.host, "port": args.port, "api_keys": args.api_key or None,
+        "served_model_name": args.served_model_name,
+        "max_waiting_requests": args.max_waiting_requests,
+        "drain_timeout_s": args.drain_timeout, "log_level": args.log_level}.items()
+        if v is not None}
+    engine = {k: v for k, v in {
+        "model": args.model, "device": args.device, "dtype": args.dtype,
+        "num_threads": args.num_threads}.items() if v is not None}
+    spec = {k: v for k, v in {"method": args.speculative, "draft_model": args.draft_model,
+                              "k_max": args.k_max}.items() if v is not None}
+    if spec:
+        engine["speculative"] = spec
+    try:
+        config = load_config(args.config, {"server": server, "engine": engine})
+        config.engine_config()  # fail fast on a bad engine section
+    except (ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    serve(config)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -45,6 +72,30 @@ def build_parser() -> argparse.ArgumentParser:
     lst = msub.add_parser("list", help="list recipes and whether they are fetched")
     lst.add_argument("--cache-dir", default=None)
     lst.set_defaults(func=_models_list)
+
+    srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API",
+                         description="Flags override the YAML config; SPECSERVE_* environment "
+                                     "variables override the defaults.")
+    srv.add_argument("--config", help="YAML file (see configs/)")
+    srv.add_argument("--host")
+    srv.add_argument("--port", type=int)
+    srv.add_argument("--api-key", action="append",
+                     help="accepted API key (repeatable); also SPECSERVE_API_KEY=k1,k2")
+    srv.add_argument("--model", help="recipe name, local folder or hub id")
+    srv.add_argument("--served-model-name", help="the model id clients send")
+    srv.add_argument("--device", help="auto | cpu | cuda | cuda:N")
+    srv.add_argument("--dtype", help="float32 | bfloat16 | float16")
+    srv.add_argument("--num-threads", type=int, help="torch CPU threads")
+    srv.add_argument("--speculative", choices=["none", "draft_model", "ngram"],
+                     help="speculation method")
+    srv.add_argument("--draft-model", help="draft model for --speculative draft_model")
+    srv.add_argument("--k-max", type=int, help="most draft tokens per step (0..16)")
+    srv.add_argument("--max-waiting-requests", type=int,
+                     help="queue length beyond which requests get 429")
+    srv.add_argument("--drain-timeout", type=float,
+                     help="seconds in-flight requests may finish after SIGTERM")
+    srv.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    srv.set_defaults(func=_serve)
     return parser
 
 

@@ -81,3 +81,41 @@ def test_smollm2_ngram_speculation_is_exact(smollm2):
     outs = engine.generate(prompts, greedy)
     assert [o.output_token_ids for o in outs] == [o.output_token_ids for o in plain]
     assert engine.speculator.stats.num_accepted_tokens > 0
+
+
+def test_health_answers_fast_during_a_long_prefill(smollm2_path):
+    """The engine runs off the event loop: /health stays fast while a long prompt is computed."""
+    import threading
+    import time
+
+    import httpx
+
+    from server_utils import ServerProcess
+
+    srv = ServerProcess(["--model", smollm2_path, "--served-model-name", "smol", "--device",
+                         "cpu", "--speculative", "none"]).wait_ready()
+    try:
+        long_prompt = "The history of the printing press is long and varied. " * 250
+        done = threading.Event()
+
+        def generate():
+            httpx.post(srv.url + "/v1/completions", timeout=300,
+                       json={"model": "smol", "prompt": long_prompt, "max_tokens": 4})
+            done.set()
+
+        worker = threading.Thread(target=generate)
+        worker.start()
+        time.sleep(0.3)  # the prefill is running now
+        latencies = []
+        with httpx.Client() as c:
+            while not done.is_set() and len(latencies) < 40:
+                t0 = time.perf_counter()
+                assert c.get(srv.url + "/health").status_code == 200
+                latencies.append(time.perf_counter() - t0)
+                time.sleep(0.02)
+        worker.join()
+        assert len(latencies) >= 5, "the prefill was too short to measure anything"
+        latencies.sort()
+        assert max(latencies) < 0.05, latencies
+    finally:
+        assert srv.terminate() == 0

@@ -1,0 +1,210 @@
+"""Speculative decoding benchmark on the packaged Qwen2.5-Coder pair, in ONE run.
+
+(a) plain decoding with our engine, (b) our speculative decoding (draft model, adaptive k),
+greedy, (c) ours at temperature 0.7, (d) transformers `generate(assistant_model=draft)` with
+the same models and dtypes, (e) a concurrency sweep 1, 2, 4, 8, 16: adaptive speculation vs
+plain, aggregate tokens/s. Cases (a)-(d) run the prompts of bench/prompts/chat.jsonl one at a
+time (128 new tokens each).
+
+    python bench/spec_decode.py [--dtype bfloat16] [--draft-quantization int8] [--quick]
+
+Prints a table, ends with a RESULT line, writes bench/results/spec_decode.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from engine.config import SpeculativeConfig  # noqa: E402
+from engine.models.loader import load_model  # noqa: E402
+from engine.spec_decode.adaptive import expected_tokens  # noqa: E402
+
+TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
+
+
+def load_prompts(tok, path):
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return [tok.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=True,
+                                    return_dict=False) for r in rows]
+
+
+def make_engine(target, draft, tok, args, spec: bool):
+    cfg = SpeculativeConfig(method="draft_model" if spec else "none", draft_model=DRAFT,
+                            k_max=args.k_max, adaptive=True,
+                            draft_quantization=args.draft_quantization)
+    return LLMEngine(EngineConfig(kv_cache_memory_gb=1.5, max_num_seqs=32,
+                                  max_num_batched_tokens=512, speculative=cfg),
+                     model=target, tokenizer=tok, draft_model=draft if spec else None)
+
+
+def run_one_at_a_time(engine, prompts, params):
+    tokens, t0 = 0, time.perf_counter()
+    for p in prompts:
+        tokens += len(engine.generate([p], params)[0].output_token_ids)
+    return tokens, time.perf_counter() - t0
+
+
+def run_concurrent(engine, prompts, params):
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    return sum(len(o.output_token_ids) for o in outs), time.perf_counter() - t0
+
+
+def spec_row(name, engine, tokens, seconds):
+    st = engine.speculator.stats if engine.speculator else None
+    return {"case": name, "tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds,
+            "accepted_len": st.mean_accepted_length if st else None,
+            "acceptance": st.acceptance_rate if st else None,
+            "mean_k": st.mean_k if st else None}
+
+
+def hf_assisted(target, draft, prompts, max_new):
+    tokens, t0 = 0, time.perf_counter()
+    for p in prompts:
+        out = target.generate(torch.tensor([p]), assistant_model=draft, do_sample=False,
+                              max_new_tokens=max_new, min_new_tokens=max_new,
+                              pad_token_id=0)
+        tokens += out.shape[1] - len(p)
+    return tokens, time.perf_counter() - t0
+
+
+def ideal_speedup(engine) -> float:
+    """Speedup greedy speculation could reach at the measured acceptance and step costs."""
+    ctl, st = engine.speculator.controller, engine.speculator.stats
+    k = max(1, round(st.mean_k)) if st.mean_k else 1
+    a = st.acceptance_rate
+    # per-position acceptance from the overall rate: solve E(a,k)-1 accepted of k drafted
+    per_pos = a if k == 1 else _per_position(st.num_accepted_tokens / max(st.num_drafts, 1), k)
+    plain = ctl.target_cost(1)
+    spec = ctl.target_cost(1 + k) + k * ctl.draft_cost(1)
+    return expected_tokens(per_pos, k) * plain / spec
+
+
+def _per_position(mean_accepted: float, k: int) -> float:
+    lo, hi = 0.0, 1.0
+    for _ in range(50):  # E(a, k) - 1 is increasing in a
+        mid = (lo + hi) / 2
+        if expected_tokens(mid, k) - 1 < mean_accepted:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", default="bfloat16", help="target and draft dtype")
+    parser.add_argument("--draft-quantization", default="int8", choices=["none", "int8"])
+    parser.add_argument("--k-max", type=int, default=6)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--sweep-max-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--prompts", default=str(ROOT / "bench" / "prompts" / "chat.jsonl"))
+    parser.add_argument("--quick", action="store_true", help="2 prompts, 32 tokens, sweep 1,2")
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "spec_decode.md"))
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    target, tok = load_model(TARGET, dtype=args.dtype, device="cpu")
+    draft, _ = load_model(DRAFT, dtype=args.dtype, device="cpu")
+    prompts = load_prompts(tok, args.prompts)
+    levels = [1, 2, 4, 8, 16]
+    if args.quick:
+        prompts, args.max_tokens, args.sweep_max_tokens, levels = prompts[:2], 32, 16, [1, 2]
+    greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    t07 = SamplingParams(temperature=0.7, max_tokens=args.max_tokens, ignore_eos=True, seed=0)
+
+    rows = []
+    plain_engine = make_engine(target, None, tok, args, spec=False)
+    run_one_at_a_time(plain_engine, prompts[:1], SamplingParams(temperature=0, max_tokens=4))
+    rows.append(spec_row("(a) plain, greedy", plain_engine,
+                         *run_one_at_a_time(plain_engine, prompts, greedy)))
+    del plain_engine
+    gc.collect()
+
+    spec_engine = make_engine(target, draft, tok, args, spec=True)
+    draft_used = spec_engine.speculator.proposer.runner.model  # int8 when quantized
+    rows.append(spec_row("(b) speculative, greedy", spec_engine,
+                         *run_one_at_a_time(spec_engine, prompts, greedy)))
+    ideal = ideal_speedup(spec_engine)
+    del spec_engine
+    gc.collect()
+    spec_engine = make_engine(target, draft, tok, args, spec=True)
+    rows.append(spec_row("(c) speculative, temperature 0.7", spec_engine,
+                         *run_one_at_a_time(spec_engine, prompts, t07)))
+    del spec_engine
+    gc.collect()
+
+    rows.append(spec_row("(d) transformers assisted generation", None,
+                         *hf_assisted(target, draft_used, prompts, args.max_tokens)))
+
+    sweep = []
+    sweep_params = SamplingParams(temperature=0, max_tokens=args.sweep_max_tokens,
+                                  ignore_eos=True)
+    for c in levels:
+        batch = [prompts[i % len(prompts)] for i in range(c)]
+        plain_engine = make_engine(target, None, tok, args, spec=False)
+        p_tok, p_s = run_concurrent(plain_engine, batch, sweep_params)
+        del plain_engine
+        spec_engine = make_engine(target, draft, tok, args, spec=True)
+        s_tok, s_s = run_concurrent(spec_engine, batch, sweep_params)
+        st = spec_engine.speculator.stats
+        sweep.append({"concurrency": c, "plain_tok_s": p_tok / p_s, "spec_tok_s": s_tok / s_s,
+                      "ratio": (s_tok / s_s) / (p_tok / p_s), "mean_k": st.mean_k,
+                      "acceptance": st.acceptance_rate})
+        del spec_engine
+        gc.collect()
+
+    tok_s = {r["case"][:3]: r["tok_s"] for r in rows}
+    speedup = tok_s["(b)"] / tok_s["(a)"]
+    result = (f"RESULT speedup_greedy={speedup:.2f} speedup_t07={tok_s['(c)'] / tok_s['(a)']:.2f} "
+              f"vs_hf_assisted={tok_s['(b)'] / tok_s['(d)']:.2f} "
+              f"worst_sweep_ratio={min(s['ratio'] for s in sweep):.2f} "
+              f"ideal_fraction={speedup / ideal:.2f}")
+
+    fmt = lambda v, spec="{:.2f}": "-" if v is None else spec.format(v)  # noqa: E731
+    lines = ["| case | tokens | seconds | tokens/s | mean accepted length | acceptance | mean k |",
+             "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['case']} | {r['tokens']} | {r['seconds']:.1f} | {r['tok_s']:.2f} | "
+              f"{fmt(r['accepted_len'])} | {fmt(r['acceptance'])} | {fmt(r['mean_k'])} |"
+              for r in rows]
+    lines += ["", "| concurrency | plain tokens/s | speculative tokens/s | ratio | mean k | "
+              "acceptance |", "|---|---|---|---|---|---|"]
+    lines += [f"| {s['concurrency']} | {s['plain_tok_s']:.2f} | {s['spec_tok_s']:.2f} | "
+              f"{s['ratio']:.2f} | {s['mean_k']:.2f} | {s['acceptance']:.2f} |" for s in sweep]
+    table = "\n".join(lines)
+    print(table)
+    print(f"ideal speedup from measured acceptance and step costs: {ideal:.2f}")
+    print(result)
+    cmd = "python bench/spec_decode.py " + " ".join(sys.argv[1:])
+    meta = (f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}\n"
+            f"- machine: {platform.machine()}, {os.cpu_count()} CPUs, {args.threads} torch "
+            f"threads, torch {torch.__version__}\n- command: `{cmd.strip()}`\n"
+            f"- target {TARGET} {args.dtype}; draft {DRAFT} {args.dtype}"
+            f"{' with int8 weight-only linears' if args.draft_quantization == 'int8' else ''}; "
+            f"the same draft object for transformers' assisted generation\n"
+            f"- {len(prompts)} chat prompts from {Path(args.prompts).relative_to(ROOT)}, "
+            f"{args.max_tokens} new tokens each, one request at a time for (a)-(d); the sweep "
+            f"runs `concurrency` requests at once, {args.sweep_max_tokens} new tokens each\n"
+            f"- ideal speedup from measured acceptance and step costs: {ideal:.2f}\n")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(f"# Speculative decoding\n\n{meta}\n{table}\n\n`{result}`\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

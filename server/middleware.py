@@ -1,0 +1,128 @@
+"""Pure ASGI middleware: request id, API-key auth, body size limit.
+
+Pure ASGI (not Starlette's BaseHTTPMiddleware, which breaks disconnect detection for streams):
+each wraps `send`/`receive` and passes everything else through untouched.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import time
+import uuid
+
+from server.errors import error_body
+
+log = logging.getLogger("specserve.access")
+OPEN_PATHS = ("/health", "/ready", "/metrics", "/docs", "/openapi.json", "/redoc")
+
+
+async def send_json(send, status: int, body: dict, headers: list | None = None) -> None:
+    payload = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(payload)).encode())] + (headers or [])})
+    await send({"type": "http.response.body", "body": payload})
+
+
+def _header(scope, name: bytes) -> str | None:
+    for key, value in scope.get("headers", ()):
+        if key.lower() == name:
+            return value.decode("latin-1")
+    return None
+
+
+class RequestIdMiddleware:
+    """Echo X-Request-Id (or make one); put it in the scope, the response and the access log."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        incoming = _header(scope, b"x-request-id")
+        request_id = incoming if incoming and len(incoming) <= 128 else uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+        started, status = time.perf_counter(), [0]
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+                message = dict(message)
+                message["headers"] = list(message.get("headers", ())) + [
+                    (b"x-request-id", request_id.encode())]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            log.info("%s %s %s %d %.1fms", request_id, scope["method"], scope["path"], status[0],
+                     (time.perf_counter() - started) * 1e3)
+
+
+class AuthMiddleware:
+    """`Authorization: Bearer KEY` on /v1 routes when keys are configured (constant-time)."""
+
+    def __init__(self, app, api_keys: list[str]) -> None:
+        self.app = app
+        self.keys = [k.encode() for k in api_keys]
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not self.keys or scope["path"].startswith(OPEN_PATHS):
+            return await self.app(scope, receive, send)
+        header = _header(scope, b"authorization") or ""
+        scheme, _, token = header.partition(" ")
+        given = token.strip().encode()
+        ok = scheme.lower() == "bearer" and given and any(
+            [hmac.compare_digest(given, key) for key in self.keys])  # no short-circuit
+        if not ok:
+            message = ("missing API key: send Authorization: Bearer <key>" if not header
+                       else "invalid API key")
+            return await send_json(send, 401, error_body(401, message, None, "invalid_api_key"),
+                                   [(b"www-authenticate", b"Bearer")])
+        return await self.app(scope, receive, send)
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class BodyLimitMiddleware:
+    """413 for bodies over the limit, by Content-Length or by counting a chunked body."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = _header(scope, b"content-length")
+        if length and length.isdigit() and int(length) > self.max_bytes:
+            return await self._reject(send)
+        seen, started = [0], [False]
+
+        async def counting_receive():
+            message = await receive()
+            if message["type"] == "http.request":
+                seen[0] += len(message.get("body", b""))
+                if seen[0] > self.max_bytes:
+                    raise _BodyTooLarge()
+            return message
+
+        async def tracking_send(message):
+            if message["type"] == "http.response.start":
+                started[0] = True
+            await send(message)
+
+        try:
+            await self.app(scope, counting_receive, tracking_send)
+        except _BodyTooLarge:
+            if not started[0]:
+                await self._reject(send)
+
+    async def _reject(self, send):
+        await send_json(send, 413, error_body(
+            413, f"request body larger than {self.max_bytes} bytes", None, "body_too_large"))
