@@ -65,7 +65,7 @@ def run_concurrent(engine, prompts, params):
 
 
 def spec_row(name, engine, tokens, seconds):
-    st = engine.speculator.stats if engine.speculator else None
+    st = engine.speculator.stats if engine is not None and engine.speculator else None
     return {"case": name, "tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds,
             "accepted_len": st.mean_accepted_length if st else None,
             "acceptance": st.acceptance_rate if st else None,

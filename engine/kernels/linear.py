@@ -21,13 +21,18 @@ MAX_ROWS = ROW_COUNTS[-1]
 _tuned: dict[tuple, list[bool]] = {}  # (in, out, dtype, device) -> use (W @ x.T).T for rows
 
 
-def _time(fn, repeats: int) -> float:
+def _time(fn, repeats: int, min_seconds: float = 0.005) -> float:
+    """Seconds per call: the best of `repeats` rounds, each long enough to average out noise."""
     fn()
+    t0 = time.perf_counter()
+    fn()
+    calls = max(1, min(50, int(min_seconds / max(time.perf_counter() - t0, 1e-7))))
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / calls)
     return best
 
 
