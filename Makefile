@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.specserve-installed
 PYTEST_ARGS ?=
 
-.PHONY: install test serve bench-engine clean
+.PHONY: install test serve bench-engine bench-spec bench-server clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -20,12 +20,19 @@ test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 serve: install
-	$(VENV)/bin/specserve models fetch qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct
-	$(VENV)/bin/specserve serve --config configs/default.yaml
+	$(VENV)/bin/specserve serve --config configs/default.yaml --fetch-missing
 
 bench-engine: install
 	$(VENV)/bin/specserve models fetch smollm2-135m-instruct qwen2.5-coder-0.5b-instruct
 	$(PY) bench/engine_vs_hf.py
+
+bench-spec: install
+	$(VENV)/bin/specserve models fetch qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct
+	$(PY) bench/spec_decode.py
+
+bench-server: install
+	$(VENV)/bin/specserve models fetch smollm2-135m-instruct
+	$(PY) bench/server_overhead.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -58,6 +58,14 @@ class ServerState:
             self.tokenizer = self.engine.tokenizer
             self.model_name = (self.config.server.served_model_name
                                or _model_name(engine_config.model))
+            spec = engine_config.speculative
+            self.metrics.set_info(
+                model=self.model_name, engine_model=engine_config.model,
+                draft_model=spec.draft_model or "", speculative_method=spec.method,
+                k_max=spec.k_max, adaptive=spec.adaptive, dtype=engine_config.dtype,
+                device=str(self.engine.device), block_size=engine_config.block_size,
+                num_blocks=self.engine.block_manager.num_blocks,
+                max_model_len=self.engine.max_model_len)
             client = EngineClient(self.engine)
             client.step_listeners.append(self.metrics.observe_step)
             client.start()

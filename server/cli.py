@@ -46,12 +46,36 @@ def _serve(args: argparse.Namespace) -> int:
         engine["speculative"] = spec
     try:
         config = load_config(args.config, {"server": server, "engine": engine})
-        config.engine_config()  # fail fast on a bad engine section
+        engine_config = config.engine_config()  # fail fast on a bad engine section
+        if args.fetch_missing:
+            _fetch_missing(engine_config)
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     serve(config)
     return 0
+
+
+def _fetch_missing(engine_config) -> None:
+    """Fetch the recipe-named models of the config that are not converted yet."""
+    from engine.models.recipes import RECIPES, FetchError, fetch, is_fetched
+
+    names = [engine_config.model]
+    if engine_config.speculative.method == "draft_model":
+        names.append(engine_config.speculative.draft_model)
+    for name in names:
+        if name in RECIPES and not is_fetched(name, engine_config.model_cache_dir):
+            try:
+                fetch(name, root=engine_config.model_cache_dir)
+            except FetchError as exc:
+                raise ValueError(str(exc)) from None
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    from server import benchmark
+
+    args.command = "specserve " + " ".join(sys.argv[1:])
+    return benchmark.main(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -95,7 +119,18 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--drain-timeout", type=float,
                      help="seconds in-flight requests may finish after SIGTERM")
     srv.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    srv.add_argument("--fetch-missing", action="store_true",
+                     help="first fetch recipe-named models that are not converted yet")
     srv.set_defaults(func=_serve)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bsub = bench.add_subparsers(dest="bench_command", required=True)
+    bserve = bsub.add_parser("serve", help="serving benchmark against an OpenAI-compatible "
+                                           "server (concurrency sweep, TTFT/ITL/throughput)")
+    from server.benchmark import add_arguments
+
+    add_arguments(bserve)
+    bserve.set_defaults(func=_bench_serve)
     return parser
 
 

@@ -1,65 +1,146 @@
 """Prometheus metrics: the only module that imports prometheus_client.
 
-Engine numbers arrive as plain stats (the engine thread calls `observe_step` after each step);
-HTTP numbers from the routes. Gauges are refreshed after every step and every second when
-idle, so they are current even with no traffic.
+The engine keeps plain stats (dataclasses and counters); `observe_step` runs in the engine
+thread after every step, and once a second when idle, so gauges are current with no traffic.
+Counters mirror engine counters by their increase since the previous observation. One server
+process serves one model pair (no worker processes), so the default registry mode is right;
+scale out with replicas behind a load balancer, each scraped on its own.
 
-PromQL:
-- generation tokens/s:        rate(specserve:generation_tokens_total[1m])
-- acceptance rate:            rate(specserve:spec_decode_num_accepted_tokens_total[5m])
-                              / rate(specserve:spec_decode_num_draft_tokens_total[5m])
-- requests/s by status:       sum by (status) (rate(specserve:http_requests_total[1m]))
+Buckets cover both CPUs (seconds per token) and GPUs (milliseconds).
+
+PromQL (the Grafana dashboard uses these):
+- generation tokens/s:      sum(rate(specserve:generation_tokens_total[1m]))
+- acceptance rate:          sum(rate(specserve:spec_decode_num_accepted_tokens_total[5m]))
+                            / sum(rate(specserve:spec_decode_num_draft_tokens_total[5m]))
+- mean accepted length:     sum(rate(specserve:spec_decode_accepted_length_sum[5m]))
+                            / sum(rate(specserve:spec_decode_accepted_length_count[5m]))
+  (tokens emitted per verification that had drafts: accepted drafts + 1)
+- acceptance by position j: sum by (position) (rate(
+                              specserve:spec_decode_num_accepted_tokens_per_pos_total[5m]))
+                            / scalar(sum(rate(specserve:spec_decode_num_drafts_total[5m])))
+- p50/p95/p99 latencies:    histogram_quantile(0.95, sum by (le) (rate(
+                              specserve:time_to_first_token_seconds_bucket[5m])))
+                            (likewise inter_token_latency_seconds, e2e_request_latency_seconds,
+                            request_queue_time_seconds)
+- prefix-cache hit rate:    rate(specserve:prefix_cache_hits_total[5m])
+                            / rate(specserve:prefix_cache_queries_total[5m])
+- HTTP error rate:          sum(rate(specserve:http_requests_total{status=~"[45].."}[5m]))
+                            / sum(rate(specserve:http_requests_total[5m]))
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
-from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the route)
+import time
+
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge,  # noqa
+                               Histogram, Info, generate_latest)
 
 P = "specserve:"
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3,
+                   0.4, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0,
+                   240.0, 480.0, 960.0)
 
 
 class Metrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
-        self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens processed", registry=r)
-        self.generation_tokens = Counter(P + "generation_tokens", "Tokens generated", registry=r)
-        self.request_success = Counter(P + "request_success", "Finished requests",
-                                       ["finish_reason"], registry=r)
-        self.http_requests = Counter(P + "http_requests", "HTTP requests", ["route", "status"],
-                                     registry=r)
-        self.num_running = Gauge(P + "num_requests_running", "Requests running", registry=r)
-        self.num_waiting = Gauge(P + "num_requests_waiting", "Requests waiting", registry=r)
-        self.kv_usage = Gauge(P + "kv_cache_usage_perc", "KV cache blocks in use (0-1)",
-                              ["model"], registry=r)
-        self.spec_drafts = Counter(P + "spec_decode_num_drafts", "Verifications with drafts",
-                                   registry=r)
-        self.spec_draft_tokens = Counter(P + "spec_decode_num_draft_tokens", "Draft tokens",
-                                         registry=r)
-        self.spec_accepted = Counter(P + "spec_decode_num_accepted_tokens", "Accepted tokens",
-                                     registry=r)
-        self._last_spec = (0, 0, 0)
 
+        def counter(name, doc, labels=()):
+            return Counter(P + name, doc, list(labels), registry=r)
+
+        def gauge(name, doc, labels=()):
+            return Gauge(P + name, doc, list(labels), registry=r)
+
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of started requests")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated")
+        self.request_success = counter("request_success", "Finished requests",
+                                       ["finish_reason"])
+        self.preemptions = counter("num_preemptions", "Sequences preempted (recomputed later)")
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the cache")
+        self.spec_drafts = counter("spec_decode_num_drafts", "Verifications with drafts")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified")
+        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted")
+        self.spec_accepted_pos = counter("spec_decode_num_accepted_tokens_per_pos",
+                                         "Draft tokens accepted at each draft position",
+                                         ["position"])
+        self.http_requests = counter("http_requests", "HTTP requests", ["route", "status"])
+        self.ttft = Histogram(P + "time_to_first_token_seconds", "Arrival to first token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram(P + "inter_token_latency_seconds", "Time per output token after "
+                             "the first", buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram(P + "e2e_request_latency_seconds", "Arrival to finish",
+                             buckets=REQUEST_BUCKETS, registry=r)
+        self.queue_time = Histogram(P + "request_queue_time_seconds", "Arrival to first "
+                                    "scheduled", buckets=REQUEST_BUCKETS, registry=r)
+        self.accepted_length = Histogram(P + "spec_decode_accepted_length", "Tokens emitted per "
+                                         "verification step with drafts",
+                                         buckets=tuple(range(1, 18)), registry=r)
+        self.num_running = gauge("num_requests_running", "Requests running")
+        self.num_waiting = gauge("num_requests_waiting", "Requests waiting")
+        self.kv_usage = gauge("kv_cache_usage_perc", "KV cache blocks in use (0-1)", ["model"])
+        self.spec_k = gauge("spec_decode_k", "Mean k chosen in the latest decoding step")
+        self.info = Info(P + "model", "Served model and configuration", registry=r)
+        self._last: dict[str, int] = {}
+        self._last_token_time: dict[str, float] = {}
+
+    def set_info(self, **labels: str) -> None:
+        self.info.info({k: str(v) for k, v in labels.items()})
+
+    # -- engine thread -----------------------------------------------------------------------
     def observe_step(self, engine, outputs) -> None:
-        """Engine thread, after each step (and once a second when idle)."""
+        now = time.monotonic()
         self.num_running.set(engine.num_running)
         self.num_waiting.set(engine.num_waiting)
-        self.kv_usage.labels("target").set(engine.block_manager.usage)
+        usage = engine.block_manager.usage
+        self.kv_usage.labels("target").set(usage)
         for out in outputs:
-            self.generation_tokens.inc(len(out.new_token_ids))
-            if out.finished:
-                self.request_success.labels(out.finish_reason or "unknown").inc()
-            if len(out.output_token_ids) == len(out.new_token_ids) and out.new_token_ids:
-                self.prompt_tokens.inc(len(out.prompt_token_ids))  # first tokens: prompt done
+            self._observe_output(out, now)
+        self._mirror("preemptions", self.preemptions, engine.scheduler.stats.num_preemptions)
+        prefix = engine.block_manager.prefix_stats
+        self._mirror("prefix_queries", self.prefix_queries, prefix.queries)
+        self._mirror("prefix_hits", self.prefix_hits, prefix.hits)
         spec = engine.speculator
-        if spec is not None:
-            st = spec.stats
-            now = (st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens)
-            for counter, new, old in zip((self.spec_drafts, self.spec_draft_tokens,
-                                          self.spec_accepted), now, self._last_spec):
-                counter.inc(new - old)
-            self._last_spec = now
+        if spec is None:
+            return
+        st = spec.stats
+        self.kv_usage.labels("draft").set(usage if spec.config.method == "draft_model" else 0)
+        self.spec_k.set(st.last_mean_k)
+        self._mirror("drafts", self.spec_drafts, st.num_drafts)
+        self._mirror("draft_tokens", self.spec_draft_tokens, st.num_draft_tokens)
+        self._mirror("accepted", self.spec_accepted, st.num_accepted_tokens)
+        for pos, count in enumerate(st.accepted_per_pos):
+            self._mirror(f"pos{pos}", self.spec_accepted_pos.labels(str(pos)), count)
+        for length in st.take_recent_lengths():
+            self.accepted_length.observe(length)
 
+    def _mirror(self, key: str, counter, total: int) -> None:
+        delta = total - self._last.get(key, 0)
+        if delta > 0:
+            counter.inc(delta)
+        self._last[key] = total
+
+    def _observe_output(self, out, now: float) -> None:
+        m, rid, new = out.metrics, out.request_id, len(out.new_token_ids)
+        if new:
+            self.generation_tokens.inc(new)
+            last = self._last_token_time.get(rid)
+            if last is None:  # the request's first tokens
+                self.prompt_tokens.inc(len(out.prompt_token_ids))
+                self.ttft.observe(max(now - m["arrival_time"], 0.0))
+                self.queue_time.observe(max(m["first_scheduled_time"] - m["arrival_time"], 0.0))
+                new -= 1  # the first token's latency is the TTFT
+            per_token = (now - (last or now)) / max(new, 1)
+            for _ in range(new):
+                self.itl.observe(per_token)
+            self._last_token_time[rid] = now
+        if out.finished:
+            self._last_token_time.pop(rid, None)
+            self.request_success.labels(out.finish_reason or "unknown").inc()
+            self.e2e.observe(max(now - m["arrival_time"], 0.0))
+
+    # -- event loop ----------------------------------------------------------------------------
     def observe_http(self, route: str, status: int) -> None:
         self.http_requests.labels(route, str(status)).inc()
 

@@ -383,6 +383,26 @@ def test_sigterm_lets_streams_finish_and_exits_zero(model_dir):
     srv.terminate()
 
 
+def test_drain_timeout_aborts_with_an_error_event_then_done(model_dir):
+    """Streams still running at the drain deadline end with data: {"error"} and [DONE]."""
+    srv = ServerProcess(["--model", str(model_dir), "--served-model-name", MODEL, "--device",
+                         "cpu", "--drain-timeout", "0.5"]).wait_ready()
+    events = []
+    body = {"model": MODEL, "messages": HELLO, "max_tokens": 50000 // 60, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", srv.url + "/v1/chat/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                if len(events) == 3:
+                    srv.proc.send_signal(15)
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == "aborted" and error["type"] == "service_unavailable"
+    assert srv.proc.wait(30) == 0
+    srv.terminate()
+
+
 def _schema_for_fuzzing(server, path):
     """Our /openapi.json, with `model` pinned to the served one (so requests reach generation)
     and max_tokens and n kept small (so the run fits in CI)."""

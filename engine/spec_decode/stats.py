@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 
@@ -17,7 +18,8 @@ class SpecDecodeStats:
     k_chosen_count: int = 0
     last_mean_k: float = 0.0  # mean k chosen in the latest step that had decoding sequences
     draft_seconds: float = 0.0
-    verify_steps: int = 0
+    # tokens emitted by each recent verification with drafts, for a metrics consumer
+    recent_lengths: deque = field(default_factory=lambda: deque(maxlen=10_000))
 
     def __post_init__(self) -> None:
         if not self.accepted_per_pos:
@@ -35,8 +37,14 @@ class SpecDecodeStats:
         self.num_draft_tokens += num_drafted
         self.num_accepted_tokens += num_accepted
         self.num_emitted_tokens += num_accepted + 1
+        self.recent_lengths.append(num_accepted + 1)
         for j in range(num_accepted):
             self.accepted_per_pos[j] += 1
+
+    def take_recent_lengths(self) -> list[int]:
+        lengths = list(self.recent_lengths)
+        self.recent_lengths.clear()
+        return lengths
 
     @property
     def acceptance_rate(self) -> float:
