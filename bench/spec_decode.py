@@ -83,18 +83,19 @@ def hf_assisted(target, draft, prompts, max_new):
 
 
 def ideal_speedup(engine) -> float:
-    """Speedup greedy speculation could reach at the measured acceptance and step costs."""
+    """Speedup greedy speculation could reach at the measured acceptance and step costs: the
+    expected tokens per verification over its cost (catch-up forward, k - 1 draft forwards, one
+    target pass over k + 1 tokens), relative to one plain target step per token."""
     ctl, st = engine.speculator.controller, engine.speculator.stats
-    k = max(1, round(st.mean_k)) if st.mean_k else 1
-    a = st.acceptance_rate
-    # per-position acceptance from the overall rate: solve E(a,k)-1 accepted of k drafted
-    per_pos = a if k == 1 else _per_position(st.num_accepted_tokens / max(st.num_drafts, 1), k)
+    k = st.num_draft_tokens / max(st.num_drafts, 1)  # mean drafts per verification
+    per_pos = _per_position(st.num_accepted_tokens / max(st.num_drafts, 1), k)
     plain = ctl.target_cost(1)
-    spec = ctl.target_cost(1 + k) + k * ctl.draft_cost(1)
+    catch_up = ctl.draft_cost(1 + st.num_accepted_tokens / max(st.num_drafts, 1))
+    spec = ctl.target_cost(1 + k) + catch_up + (k - 1) * ctl.draft_cost(1)
     return expected_tokens(per_pos, k) * plain / spec
 
 
-def _per_position(mean_accepted: float, k: int) -> float:
+def _per_position(mean_accepted: float, k: float) -> float:
     lo, hi = 0.0, 1.0
     for _ in range(50):  # E(a, k) - 1 is increasing in a
         mid = (lo + hi) / 2

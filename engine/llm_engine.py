@@ -141,11 +141,12 @@ class LLMEngine:
     def _calibrate(self, speculator) -> None:
         """Seed the cost model: time target passes of n tokens and draft steps of b sequences."""
         from engine.sequence import Sequence
-        from engine.spec_decode.speculator import CALIBRATION_BATCH, CALIBRATION_TOKENS
+        from engine.spec_decode.speculator import (CALIBRATION_BATCH, CALIBRATION_CATCH_UP,
+                                                   CALIBRATION_TOKENS)
 
         context = 64
         dummy = Sequence("__calibration__", [0] * context, SamplingParams())
-        need = context + max(CALIBRATION_TOKENS)
+        need = context + max(CALIBRATION_TOKENS + CALIBRATION_CATCH_UP)
         if not self.block_manager.allocate(dummy, need):
             return
         try:
@@ -157,10 +158,14 @@ class LLMEngine:
             draft_runner = getattr(speculator.proposer, "runner", None)
             if draft_runner is not None:
                 draft_runner.execute([RunItem([0] * context, 0, dummy.block_table, 1)])
-                for b in CALIBRATION_BATCH:
+                for b in CALIBRATION_BATCH:  # recorded by tokens in the forward
                     items = [RunItem([0], context, dummy.block_table, 1)] * b
                     seconds = self._time(lambda: draft_runner.execute(items))
                     speculator.controller.draft_cost.record(b, seconds)
+                for n in CALIBRATION_CATCH_UP:
+                    item = [RunItem([0] * n, context, dummy.block_table, 1)]
+                    seconds = self._time(lambda: draft_runner.execute(item))
+                    speculator.controller.draft_cost.record(n, seconds)
         finally:
             self.block_manager.free(dummy)
 
@@ -263,10 +268,9 @@ class LLMEngine:
                  for s in out.scheduled]
         t0 = time.perf_counter()
         step_logits = self.runner.execute(items)
-        if spec:
-            self._sync()
-            spec.record_target_step(out.num_batched_tokens, time.perf_counter() - t0)
         new_tokens, logprobs = self._verify(out, step_logits)
+        if spec:  # the cost of a target pass includes verifying its drafts
+            spec.record_target_step(out.num_batched_tokens, time.perf_counter() - t0)
         num_outputs = [s.seq.num_output_tokens for s in out.scheduled]
         changed = self.scheduler.update(out, new_tokens)
         for sched, before, lps in zip(out.scheduled, num_outputs, logprobs):
@@ -340,7 +344,11 @@ class LLMEngine:
         qs = [self.speculator.draft_probs(s, len(d)) for s, d in zip(seqs, drafted)]
         draft_probs = None
         if any(q is not None for q, d in zip(qs, drafted) if d):
-            draft_probs = torch.cat([q for q, d in zip(qs, drafted) if d])
+            # a greedy sequence's q is never read; one-hot keeps the rows aligned
+            draft_probs = torch.cat([
+                q if q is not None else torch.nn.functional.one_hot(
+                    torch.tensor(d, device=self.device), self.vocab_size).float()
+                for q, d in zip(qs, drafted) if d])
         flat = [t for d in drafted for t in d]
         emitted = rejection_sampler.rejection_sample(
             torch.tensor(flat, dtype=torch.long, device=self.device), [len(d) for d in drafted],

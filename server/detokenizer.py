@@ -17,12 +17,20 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip = skip_special_tokens
+        # The Rust tokenizer behind a fast tokenizer decodes the same text without the Python
+        # wrapper's per-call overhead (unless the wrapper post-processes spaces).
+        backend = getattr(tokenizer, "_tokenizer", None)
+        self._backend = (backend if backend is not None and hasattr(backend, "decode")
+                         and not getattr(tokenizer, "clean_up_tokenization_spaces", False)
+                         else None)
         self.ids: list[int] = []
         self.prefix_offset = 0  # window start: decoded text before read_offset is known
         self.read_offset = 0  # tokens whose text has been emitted
         self.text = ""
 
     def _decode(self, ids: list[int]) -> str:
+        if self._backend is not None:
+            return self._backend.decode(ids, skip_special_tokens=self.skip)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip)
 
     def add(self, new_ids: list[int]) -> str:

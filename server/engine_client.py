@@ -30,7 +30,10 @@ class _Stream:
     queue: asyncio.Queue
 
     def put(self, item) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: nobody is listening
+            pass
 
 
 class EngineClient:
@@ -130,12 +133,19 @@ class EngineClient:
             self._streams.clear()
             del exc
             return
+        # one wake-up of the event loop per step, not one per request
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:
-                stream.put(out)
+                batches.setdefault(stream.loop, []).append((stream.queue, out))
             if out.finished:
                 self._streams.pop(out.request_id, None)
+        for loop, items in batches.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # that event loop is closed: nobody is listening
+                pass
         self._publish(outputs)
 
     def _publish(self, outputs: list[RequestOutput] = ()) -> None:
@@ -143,6 +153,11 @@ class EngineClient:
         self.num_waiting = self.engine.num_waiting
         for listener in self.step_listeners:
             listener(self.engine, outputs)
+
+
+def _deliver(items: list) -> None:
+    for queue_, item in items:
+        queue_.put_nowait(item)
 
 
 class RequestStream:

@@ -150,6 +150,21 @@ def test_int8_draft_stays_exact():
     assert engine.speculator.stats.acceptance_rate > 0.5  # int8 copy still mostly agrees
 
 
+def test_greedy_and_sampled_requests_share_a_draft_batch():
+    target = build_tiny_model("qwen2")
+    draft = build_tiny_model("qwen2", seed=1)
+    prompts = random_prompts(LENGTHS)
+    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True) if i % 2 else
+              SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True, seed=i)
+              for i in range(len(prompts))]
+    outs = staggered(make_engine(target, "draft_model", draft), prompts, params)
+    plain = staggered(make_engine(target), prompts, params)
+    for i, (a, b) in enumerate(zip(outs, plain)):
+        assert len(a.output_token_ids) == 16
+        if i % 2:
+            assert a.output_token_ids == b.output_token_ids
+
+
 def test_request_can_opt_out_of_speculation():
     target = build_tiny_model("qwen2")
     engine = make_engine(target, "draft_model", target)
@@ -216,6 +231,19 @@ def test_low_acceptance_sequences_get_fewer_drafts():
     ctl = controller(costs, {1: 0.01, 2: 0.01})
     high, low = ctl.choose([0.95, 0.2], other_tokens=0)
     assert high > low
+
+
+def test_a_long_draft_backlog_is_not_worth_catching_up():
+    flat = {1: 0.1, 2: 0.1, 4: 0.102, 8: 0.105, 16: 0.11, 64: 0.15}
+    draft = {1: 0.01, 2: 0.011, 8: 0.015, 64: 0.05, 1024: 0.8, 4096: 3.2}
+    ctl = controller(flat, draft)
+    fresh, behind = ctl.choose([0.9, 0.9], other_tokens=0, backlog=[2, 4000],
+                               remaining=[100, 100])
+    assert fresh >= 3 and behind == 0
+    # the same backlog is worth catching up when the sequence has long to go
+    fresh, behind = ctl.choose([0.9, 0.9], other_tokens=0, backlog=[2, 4000],
+                               remaining=[100, 100_000])
+    assert fresh >= 3 and behind >= 3
 
 
 def test_expected_tokens():

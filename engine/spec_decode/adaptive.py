@@ -49,7 +49,7 @@ class CostTable:
         return max(y0 + (y1 - y0) * (size - x0) / (x1 - x0), 0.0)
 
 
-def expected_tokens(a: float, k: int) -> float:
+def expected_tokens(a: float, k: float) -> float:
     """Tokens emitted by one verification of k drafts at per-position acceptance a."""
     if a >= 1.0:
         return k + 1.0
@@ -82,36 +82,62 @@ class KController:
             rate = num_accepted / (num_accepted + (num_accepted < num_drafted))
             self.prior_acceptance += self.prior_alpha * (rate - self.prior_acceptance)
 
-    def choose(self, acceptance: list[float], other_tokens: int) -> list[int]:
-        """k per drafting sequence, given their acceptance estimates and the step's other tokens."""
+    def choose(self, acceptance: list[float], other_tokens: int,
+               backlog: list[int] | None = None,
+               remaining: list[int] | None = None) -> list[int]:
+        """k per drafting sequence.
+
+        acceptance: per-position acceptance estimate of each sequence; other_tokens: tokens the
+        next target pass computes for other sequences (prompt chunks); backlog: tokens each
+        sequence's draft cache must catch up on before drafting (0 for a free proposer);
+        remaining: tokens each sequence may still generate. Catching up is paid once and
+        serves every later step, so its cost is spread over the remaining tokens.
+        """
         n = len(acceptance)
         if not n or self.k_max == 0:
             return [0] * n
         if not self.adaptive or self.target_cost.empty:
             return [self.k_max] * n
-        best_k, best_rate = 0, self._rate(acceptance, [0] * n, 0, other_tokens)
+        backlog = backlog if backlog is not None and not self.draft_cost_free else [0] * n
+        remaining = remaining if remaining is not None else [1] * n
+        base = other_tokens + n  # every decoding sequence verifies its last token anyway
+        best_k, best_m, best_order = 0, 0, []
+        best_rate = n / max(self.target_cost(base), 1e-9)
+        slope_t = max(self.target_cost(base + n) - self.target_cost(base), 0.0) / n
+        slope_d = 0.0 if self.draft_cost_free else max(
+            self.draft_cost(2 * n) - self.draft_cost(n), 0.0) / n
         for k in range(1, self.k_max + 1):
-            rate = self._rate(acceptance, [k] * n, k, other_tokens)
-            if rate > best_rate:
-                best_k, best_rate = k, rate
+            gains = [expected_tokens(a, k) - 1.0 for a in acceptance]
+            # this step's share of each catch-up: the tokens it emits over those still to come
+            share = [b * min(1.0, (g + 1.0) / max(r, 1)) for b, g, r in
+                     zip(backlog, gains, remaining)]
+            # most extra tokens per second of verification and catch-up first
+            order = sorted(range(n), key=lambda i: -gains[i] / (
+                k * slope_t + share[i] * slope_d + 1e-9))
+            tokens, catch_up = float(n), 0.0
+            for m, i in enumerate(order, start=1):
+                tokens += gains[i]
+                catch_up += share[i]
+                cost = self.target_cost(base + m * k) + self._draft_steps_cost(catch_up, m, k)
+                rate = tokens / max(cost, 1e-9)
+                if rate > best_rate:
+                    best_k, best_m, best_order, best_rate = k, m, order[:m], rate
+        ks = [0] * n
         if best_k == 0:
-            return [0] * n
-        # Per sequence: keep draft position j only if a^j beats the marginal verification cost.
-        tokens = other_tokens + n * (1 + best_k)
-        marginal = max(self.target_cost(tokens + 1) - self.target_cost(tokens), 0.0)
-        threshold = marginal * best_rate
-        ks = []
-        for a in acceptance:
-            k = 0
+            return ks
+        # Per sequence: keep draft position j only if a^j beats its marginal verification cost.
+        threshold = slope_t * best_rate
+        for i in best_order:
+            a, k = acceptance[i], 0
             while k < best_k and a ** (k + 1) > threshold:
                 k += 1
-            ks.append(k)
+            ks[i] = k
         return ks
 
-    def _rate(self, acceptance: list[float], ks: list[int], draft_steps: int,
-              other_tokens: int) -> float:
-        tokens = sum(expected_tokens(a, k) for a, k in zip(acceptance, ks))
-        cost = self.target_cost(other_tokens + sum(1 + k for k in ks))
-        if draft_steps and not self.draft_cost_free:
-            cost += draft_steps * self.draft_cost(len(ks))
-        return tokens / cost if cost > 0 else tokens
+    def _draft_steps_cost(self, catch_up_tokens: float, batch: int, k: int) -> float:
+        """First forward: every drafting sequence's backlog (at least 1 token each); then k - 1
+        forwards of one token per sequence."""
+        if self.draft_cost_free:
+            return 0.0
+        return (self.draft_cost(max(catch_up_tokens, batch))
+                + (k - 1) * self.draft_cost(batch))

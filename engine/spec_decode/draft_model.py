@@ -52,7 +52,7 @@ class DraftModelProposer(Proposer):
         self.seed = seed
         self.generator = torch.Generator(device=self.device).manual_seed(seed + 1)
         self._seq_generators: dict[str, torch.Generator] = {}
-        self.last_step_seconds: list[tuple[int, float]] = []  # (batch size, seconds) per forward
+        self.last_step_seconds: list[tuple[int, float]] = []  # (tokens, seconds) per forward
 
     def free(self, seq: Sequence) -> None:
         self._seq_generators.pop(seq.request_id, None)
@@ -75,6 +75,8 @@ class DraftModelProposer(Proposer):
 
     def _to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         # [n, V_draft] -> [n, V_target]; ids past the tokenizer's vocabulary are never drafted
+        if logits.shape[1] == self.valid_vocab == self.target_vocab_size:
+            return logits
         out = torch.full((logits.shape[0], self.target_vocab_size), float("-inf"),
                          dtype=logits.dtype, device=logits.device)
         out[:, :self.valid_vocab] = logits[:, :self.valid_vocab]
@@ -101,14 +103,18 @@ class DraftModelProposer(Proposer):
             tensors = sampler.build_sampling_tensors(specs, self.target_vocab_size, self.device)
             processed = sampler.process_logits(logits, tensors)
             tokens = sampler.sample(processed, tensors, self.generator).tolist()
-            q = torch.softmax(processed, dim=-1)  # [n, V]
-            self.last_step_seconds.append((len(active), time.perf_counter() - t0))
+            # q matters only to sampled requests; greedy verification compares tokens
+            q = None if tensors.all_greedy else torch.softmax(processed, dim=-1)  # [n, V]
+            num_tokens = sum(len(item.token_ids) for item in items)
+            self.last_step_seconds.append((num_tokens, time.perf_counter() - t0))
             step += 1
             for j, i in enumerate(active):
                 drafts[i].append(tokens[j])
-                probs[i].append(q[j])
+                if q is not None:
+                    probs[i].append(q[j])
                 seqs[i].num_draft_computed = seqs[i].num_tokens + step - 1
             active = [i for i in active if ks[i] > step]
             items = [RunItem([drafts[i][-1]], seqs[i].num_tokens + step - 1, seqs[i].block_table, 1)
                      for i in active]
-        return Proposal(drafts, [torch.stack(p) if p else None for p in probs])
+        return Proposal(drafts, [torch.stack(p) if len(p) == len(d) and p else None
+                                 for p, d in zip(probs, drafts)])

@@ -17,7 +17,8 @@ from engine.spec_decode.proposer import Proposer
 from engine.spec_decode.stats import SpecDecodeStats
 
 CALIBRATION_TOKENS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
-CALIBRATION_BATCH = (1, 2, 4, 8, 16, 32)
+CALIBRATION_BATCH = (1, 2, 4, 8, 16, 32)  # draft: this many sequences of one token each
+CALIBRATION_CATCH_UP = (64, 128, 256)  # draft: one sequence catching up on this many tokens
 
 
 class Speculator:
@@ -45,7 +46,10 @@ class Speculator:
                   .estimate(ctl.prior_acceptance) for s in candidates]
         others = sum(min(s.num_uncomputed_tokens, budget) for s in running
                      if s not in candidates)
-        ks = [min(k, self._room(s)) for s, k in zip(candidates, ctl.choose(alphas, others))]
+        backlog = [s.num_tokens - s.num_draft_computed for s in candidates]
+        rooms = [self._room(s) for s in candidates]
+        ks = [min(k, room) for k, room in
+              zip(ctl.choose(alphas, others, backlog, [r + 1 for r in rooms]), rooms)]
         self.stats.record_choice(ks)
         chosen = [(s, k) for s, k in zip(candidates, ks) if k > 0]
         if not chosen:
@@ -55,8 +59,8 @@ class Speculator:
         proposal = self.proposer.propose(seqs, [k for _, k in chosen],
                                          lambda i, drafts: row_spec(seqs[i], drafts))
         self.stats.draft_seconds += time.perf_counter() - t0
-        for batch, seconds in getattr(self.proposer, "last_step_seconds", ()):
-            ctl.draft_cost.record(batch, seconds)
+        for num_tokens, seconds in getattr(self.proposer, "last_step_seconds", ()):
+            ctl.draft_cost.record(num_tokens, seconds)
         for seq, drafts, q in zip(seqs, proposal.token_ids, proposal.probs):
             seq.draft_token_ids = list(drafts)
             if q is not None and drafts:
