@@ -101,7 +101,7 @@ class KController:
         backlog = backlog if backlog is not None and not self.draft_cost_free else [0] * n
         remaining = remaining if remaining is not None else [1] * n
         base = other_tokens + n  # every decoding sequence verifies its last token anyway
-        best_k, best_m, best_order = 0, 0, []
+        best_k, best_order = 0, []
         best_rate = n / max(self.target_cost(base), 1e-9)
         slope_t = max(self.target_cost(base + n) - self.target_cost(base), 0.0) / n
         slope_d = 0.0 if self.draft_cost_free else max(
@@ -121,7 +121,7 @@ class KController:
                 cost = self.target_cost(base + m * k) + self._draft_steps_cost(catch_up, m, k)
                 rate = tokens / max(cost, 1e-9)
                 if rate > best_rate:
-                    best_k, best_m, best_order, best_rate = k, m, order[:m], rate
+                    best_k, best_order, best_rate = k, order[:m], rate
         ks = [0] * n
         if best_k == 0:
             return ks
