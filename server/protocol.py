@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal, Optional, Union
+from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -129,95 +129,6 @@ def now() -> int:
     return int(time.time())
 
 
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    speculative: Optional[dict[str, int]] = None  # drafted / accepted tokens, when speculating
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: Optional[list[int]] = None
-
-
-class TokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = []
-
-
-class ChoiceLogprobs(BaseModel):
-    content: Optional[list[TokenLogprob]] = None
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: AssistantMessage
-    logprobs: Optional[ChoiceLogprobs] = None
-    finish_reason: Optional[str] = None
-
-
-class ChatCompletion(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-    system_fingerprint: Optional[str] = None
-
-
-class Delta(BaseModel):
-    role: Optional[str] = None
-    content: Optional[str] = None
-
-
-class ChunkChoice(BaseModel):
-    index: int
-    delta: Delta
-    logprobs: Optional[ChoiceLogprobs] = None
-    finish_reason: Optional[str] = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChunkChoice]
-    usage: Optional[Usage] = None
-    system_fingerprint: Optional[str] = None
-
-
-class CompletionLogprobs(BaseModel):
-    tokens: list[str] = []
-    token_logprobs: list[float] = []
-    top_logprobs: list[dict[str, float]] = []
-    text_offset: list[int] = []
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: Optional[CompletionLogprobs] = None
-    finish_reason: Optional[str] = None
-
-
-class Completion(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Optional[Usage] = None
-    system_fingerprint: Optional[str] = None
-
-
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
@@ -228,14 +139,3 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
-
-
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: Optional[str] = None
-    code: Optional[Any] = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorDetail
