@@ -245,8 +245,10 @@ def test_nginx_streams_unbuffered_and_survives_a_replica_kill(model_dir, tmp_pat
         failed = [(start, end) for start, end, code in results if code != 200]
         assert done_before and all(code == 200 for code in done_before)
         assert len(started_after) >= 5 and all(code == 200 for code in started_after)
-        # only requests in flight on the killed replica may fail: at most the 4 workers' ones
-        assert len(failed) <= 4 and all(start < kill_time <= end for start, end in failed)
+        # only requests in flight on the killed replica may fail: at most the 4 workers' ones,
+        # all of them started before nginx could notice the kill
+        assert len(failed) <= 4
+        assert all(start < kill_time + 0.2 and end >= kill_time for start, end in failed)
     finally:
         proc.terminate()
         proc.wait(10)
