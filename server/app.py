@@ -438,7 +438,8 @@ def _empty_prompt():
     raise APIError(400, "the prompt is empty", "prompt", "invalid_value")
 
 
-async def chat_full(state, req, prompt_ids, streams, choices, completion_id):
+async def run_to_completion(state, streams, choices) -> None:
+    """Feed every choice its engine outputs until all are done (non-streamed responses)."""
     async for i, out in merged(streams):
         choice = choices[i]
         if choice.done:
@@ -448,6 +449,10 @@ async def chat_full(state, req, prompt_ids, streams, choices, completion_id):
             streams[i].close()  # a stop string ended it: abort
         if all(c.done for c in choices):
             break
+
+
+async def chat_full(state, req, prompt_ids, streams, choices, completion_id):
+    await run_to_completion(state, streams, choices)
     body = {"id": completion_id, "object": "chat.completion", "created": now(),
             "model": state.model_name, "system_fingerprint": None,
             "choices": [{"index": c.index,
@@ -517,15 +522,7 @@ def completion_logprobs(tokenizer, entries, offset0: int) -> dict:
 
 
 async def completion_full(state, req, prompt_ids, streams, choices, completion_id):
-    async for i, out in merged(streams):
-        c = choices[i]
-        if c.done:
-            continue
-        c.advance(out, state.tokenizer)
-        if c.done and not out.finished:
-            streams[i].close()  # a stop string ended it: abort
-        if all(ch.done for ch in choices):
-            break
+    await run_to_completion(state, streams, choices)
     body = {"id": completion_id, "object": "text_completion", "created": now(),
             "model": state.model_name, "system_fingerprint": None,
             "choices": [{"index": c.index, "text": c.text,

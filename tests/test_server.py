@@ -338,8 +338,6 @@ def test_sigterm_lets_streams_finish_and_exits_zero(model_dir):
     srv = ServerProcess(["--model", str(model_dir), "--served-model-name", MODEL, "--device",
                          "cpu", "--drain-timeout", "60"]).wait_ready()
     n_tokens = 400
-    started = asyncio.Event() if False else None
-    del started
 
     async def stream(ac, seen):
         body = {"model": MODEL, "messages": HELLO, "max_tokens": n_tokens, "stream": True,
