@@ -132,7 +132,8 @@ class LLMEngine:
             tok_size = len(self.tokenizer) if self.tokenizer is not None else None
             proposer = DraftModelProposer(models[1], num_blocks, self.config.block_size,
                                           self.block_manager, self.vocab_size, tok_size,
-                                          self.config.seed, self.config.cpu_matmul_autotune)
+                                          self.config.seed, self.config.cpu_matmul_autotune,
+                                          spec.draft_stop_confidence)
         speculator = Speculator(spec, proposer, self.max_model_len)
         if spec.adaptive and spec.calibrate:
             self._calibrate(speculator)

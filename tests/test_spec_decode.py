@@ -16,11 +16,15 @@ from engine.spec_decode.ngram import ngram_lookup
 LENGTHS = [3, 50, 17, 90, 8, 33, 1, 64]
 
 
-def make_engine(target, method="none", draft=None, k_max=4, adaptive=False, **kw):
+def make_engine(target, method="none", draft=None, k_max=4, adaptive=False, stop_confidence=0.0,
+                **kw):
+    """stop_confidence 0 by default: random tiny drafts are unsure, and the tests want full
+    k-token drafts; the confidence stop has tests of its own."""
     cfg = dict(num_blocks=256, max_num_batched_tokens=128, max_num_seqs=16)
     cfg.update(kw)
     spec = SpeculativeConfig(method=method, draft_model="in-memory" if draft else None,
-                             k_max=k_max, adaptive=adaptive, calibrate=adaptive)
+                             k_max=k_max, adaptive=adaptive, calibrate=adaptive,
+                             draft_stop_confidence=stop_confidence)
     return LLMEngine(EngineConfig(speculative=spec, **cfg), model=clone_model(target),
                      draft_model=clone_model(draft) if draft is not None else None)
 
@@ -89,8 +93,8 @@ def _third_tokens(engine, prompt, params_for_seed, seeds, batch=64):
     return np.array(tokens)
 
 
-@pytest.mark.parametrize("top_p", [1.0, 0.9])
-def test_sampled_distribution_matches_plain_engine(top_p):
+@pytest.mark.parametrize("top_p,stop_confidence", [(1.0, 0.0), (0.9, 0.0), (1.0, 0.003)])
+def test_sampled_distribution_matches_plain_engine(top_p, stop_confidence):
     target = build_tiny_model("qwen2", num_layers=1)
     with torch.no_grad():  # flatter logits: a spread-out distribution to compare
         target.lm_head.weight.mul_(0.25)
@@ -101,14 +105,21 @@ def test_sampled_distribution_matches_plain_engine(top_p):
     n = 2400
 
     def params(seed):
-        return SamplingParams(temperature=1.0, top_p=top_p, max_tokens=3, seed=seed,
+        # 4 tokens: the verification after the prompt has room for 2 drafts, so the 3rd token
+        # is the one after a draft, wherever the draft was cut short or rejected
+        return SamplingParams(temperature=1.0, top_p=top_p, max_tokens=4, seed=seed,
                               ignore_eos=True)
 
     plain = _third_tokens(make_engine(target), prompt, params, list(range(n)))
-    engine = make_engine(target, "draft_model", draft, k_max=3)
+    engine = make_engine(target, "draft_model", draft, k_max=3, stop_confidence=stop_confidence)
     spec = _third_tokens(engine, prompt, params, list(range(n, 2 * n)))
     st = engine.speculator.stats
     assert 0.05 < st.acceptance_rate < 0.99  # drafts were both accepted and rejected
+    per_draft = st.num_draft_tokens / st.num_drafts
+    if stop_confidence:  # the draft stopped early on some sequences, not on all
+        assert 1.05 < per_draft < 1.75
+    else:
+        assert per_draft > 1.75  # 2 drafts, then 1 where the first verification left room
     # two-sample χ² over tokens seen at least 10 times in total; the rest pooled
     values = np.union1d(plain, spec)
     table = np.array([[np.sum(plain == v), np.sum(spec == v)] for v in values])
@@ -134,6 +145,24 @@ def test_no_block_leak_with_and_without_preemption(num_blocks):
         assert engine.scheduler.stats.num_preemptions > 0
     assert engine.block_manager.num_free_blocks == num_blocks
     assert engine.speculator._draft_probs == {}
+
+
+def test_draft_stops_early_where_it_is_unsure_and_stays_exact():
+    target = build_tiny_model("qwen2")
+    draft = build_tiny_model("qwen2", seed=1)
+    prompts = random_prompts(LENGTHS)
+    greedy = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)] * len(prompts)
+    plain = staggered(make_engine(target), prompts, greedy)
+    per_draft = {}
+    for stop in (0.0, 0.05):  # the tiny random draft is rarely sure of anything
+        engine = make_engine(target, "draft_model", draft, k_max=6, stop_confidence=stop)
+        spec = staggered(engine, prompts, greedy)
+        assert [o.output_token_ids for o in spec] == [o.output_token_ids for o in plain]
+        st = engine.speculator.stats
+        per_draft[stop] = st.num_draft_tokens / st.num_drafts
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert per_draft[0.0] > 5.0  # k_max minus the drafts cut short by max_tokens
+    assert 1.2 < per_draft[0.05] < per_draft[0.0] - 1.0
 
 
 def test_int8_draft_stays_exact():
@@ -246,6 +275,39 @@ def test_a_long_draft_backlog_is_not_worth_catching_up():
     assert fresh >= 3 and behind >= 3
 
 
+def test_catching_up_on_last_steps_tokens_is_a_cost_of_every_step():
+    """The draft forward processes the tokens the previous step emitted, every step: charged
+    in full, speculation at this batch does not pay; with nothing to catch up, it would."""
+    target = {16: 0.30, 32: 0.43, 48: 0.56}
+    draft = {16: 0.06, 32: 0.11, 48: 0.16}
+    ctl = controller(target, draft)
+    acc = [0.75] * 16
+    assert ctl.choose(acc, 0, backlog=[2] * 16, remaining=[1000] * 16) == [0] * 16
+    assert sum(ctl.choose(acc, 0, backlog=[1] * 16, remaining=[1000] * 16)) > 0
+
+
+def test_a_prompt_backlog_is_caught_up_only_for_a_clear_win():
+    """Speculation that wins by a few percent once caught up keeps going for caught-up
+    sequences, but is not worth investing a prompt's catch-up in."""
+    flat = {1: 0.2, 2: 0.2, 3: 0.2, 8: 0.2}
+    draft = {1: 0.05, 2: 0.05, 500: 1.0}
+    ctl = controller(flat, draft)
+    assert ctl.choose([0.3], 0, backlog=[1], remaining=[10_000]) == [1]  # +4 %
+    assert ctl.choose([0.3], 0, backlog=[500], remaining=[10_000]) == [0]
+    assert ctl.choose([0.9], 0, backlog=[500], remaining=[10_000])[0] >= 3  # a clear win
+
+
+def test_realized_acceptance_scales_predicted_gains():
+    flat = {1: 0.2, 2: 0.2, 4: 0.2, 8: 0.2}
+    ctl = controller(flat, {1: 0.05, 2: 0.05})
+    assert ctl.choose([0.5], 0) == [1]
+    for _ in range(40):  # the model predicted 0.5 accepted per draft, verification gave 0.2
+        ctl.record_verification(1, int(_ % 5 == 0), predicted_accepted=0.5)
+    assert ctl.gain_scale == pytest.approx(0.5, abs=0.1)
+    assert ctl.choose([0.5], 0) == [0]
+    assert ctl.prior_acceptance < 0.5  # new sequences start from what verification showed
+
+
 def test_expected_tokens():
     assert expected_tokens(0.0, 5) == 1.0
     assert expected_tokens(1.0, 3) == 4.0
@@ -274,6 +336,8 @@ def test_k_max_outside_range_is_a_config_error():
         SpeculativeConfig(method="medusa")
     with pytest.raises(ValueError, match="speculative"):
         EngineConfig(speculative={"k_maxx": 2})
+    with pytest.raises(ValueError, match="draft_stop_confidence"):
+        SpeculativeConfig(method="ngram", draft_stop_confidence=1.0)
 
 
 def test_draft_with_different_vocabulary_is_refused():

@@ -8,8 +8,12 @@ sequence keeps only the draft positions j whose expected gain a^j beats the marg
 verifying one more token at that rate. K = 0 (plain decoding) whenever speculation would not
 pay, for example when the target pass is compute-bound at a large batch.
 
-Costs are measured: `record_target` / `record_draft` feed exponential moving averages per
-token-count (or batch-size) bucket; lookups interpolate between measured buckets.
+Costs are measured: the engine records every target pass and draft forward into exponential
+moving averages per token count; lookups interpolate between measured sizes. Predictions are
+checked against what happens: the accepted tokens verification actually returns, over those the
+acceptance model predicted, scale the predicted gains (`gain_scale`), and speculation must beat
+plain decoding by a margin (`min_gain`) so that noise in the cost tables does not turn it on
+where it does not pay.
 """
 
 from __future__ import annotations
@@ -74,69 +78,140 @@ class KController:
     draft_cost_free: bool = False  # n-gram: proposing costs (almost) nothing
     target_cost: CostTable = field(default_factory=CostTable)
     draft_cost: CostTable = field(default_factory=CostTable)
-    prior_acceptance: float = 0.7  # global running estimate, updated as verifications come in
-    prior_alpha: float = 0.05
+    initial_acceptance: float = 0.7  # assumed before any verification
+    prior_acceptance: float = 0.7  # acceptance of a sequence with no history yet (running)
+    min_gain: float = 0.03  # speculate only when the predicted rate beats plain by this much
+    invest_min_gain: float = 0.10  # ... and catch up a long backlog only for a win this clear
+    feedback_decay: float = 0.99  # per verification, for the prior and the realized-gain scale
+    _prior_counts: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    _gain_sums: list[float] = field(default_factory=lambda: [0.0, 0.0])  # realized, predicted
 
-    def record_verification(self, num_drafted: int, num_accepted: int) -> None:
-        if num_drafted:
-            rate = num_accepted / (num_accepted + (num_accepted < num_drafted))
-            self.prior_acceptance += self.prior_alpha * (rate - self.prior_acceptance)
+    @property
+    def gain_scale(self) -> float:
+        """Accepted tokens realized / predicted by the acceptance model, over recent drafts.
+
+        The geometric model with one acceptance per sequence is biased (acceptance depends on
+        the position, and choosing the sequences with the best estimates selects optimistic
+        ones); scaling the predicted gains by what verification actually returned corrects it.
+        """
+        realized, predicted = self._gain_sums
+        if predicted < 8.0:  # not enough evidence yet
+            return 1.0
+        return min(max(realized / predicted, 0.5), 1.5)
+
+    def record_verification(self, num_drafted: int, num_accepted: int,
+                            predicted_accepted: float | None = None) -> None:
+        """One sequence's verification; `predicted_accepted` is what `choose` expected of it
+        (before the realized-gain scale)."""
+        if not num_drafted:
+            return
+        d = self.feedback_decay
+        acc, rej = self._prior_counts
+        self._prior_counts = [acc * d + num_accepted, rej * d + (num_accepted < num_drafted)]
+        acc, rej = self._prior_counts
+        self.prior_acceptance = (acc + self.initial_acceptance * 4.0) / (acc + rej + 4.0)
+        if predicted_accepted is not None:
+            realized, predicted = self._gain_sums
+            self._gain_sums = [realized * d + num_accepted, predicted * d + predicted_accepted]
 
     def choose(self, acceptance: list[float], other_tokens: int,
                backlog: list[int] | None = None,
-               remaining: list[int] | None = None) -> list[int]:
+               remaining: list[int] | None = None, pending: int = 0) -> list[int]:
         """k per drafting sequence.
 
         acceptance: per-position acceptance estimate of each sequence; other_tokens: tokens the
         next target pass computes for other sequences (prompt chunks); backlog: tokens each
         sequence's draft cache must catch up on before drafting (0 for a free proposer);
-        remaining: tokens each sequence may still generate. Catching up is paid once and
-        serves every later step, so its cost is spread over the remaining tokens.
+        remaining: tokens each sequence may still generate; pending: sequences that will join
+        the decoding batch soon (their prompts are being computed).
+
+        Every drafting step catches the draft cache up on the tokens the previous step emitted:
+        that part of the backlog is a cost of this step. A longer backlog (a prompt, tokens
+        emitted while k was 0) is paid once and serves every later step, so its cost is spread
+        over the remaining tokens, but only for sequences that speculation pays for once
+        caught up (the steady state, without prompt chunks in the pass); otherwise this step
+        pays all of it. Catching up is an investment that pays back only while speculation keeps
+        winning, so it needs a clear steady-state win (`invest_min_gain`), not a marginal one.
         """
         n = len(acceptance)
         if not n or self.k_max == 0:
             return [0] * n
         if not self.adaptive or self.target_cost.empty:
             return [self.k_max] * n
-        backlog = backlog if backlog is not None and not self.draft_cost_free else [0] * n
+        free = self.draft_cost_free
+        backlog = [0] * n if free or backlog is None else backlog
         remaining = remaining if remaining is not None else [1] * n
-        base = other_tokens + n  # every decoding sequence verifies its last token anyway
-        best_k, best_order = 0, []
-        best_rate = n / max(self.target_cost(base), 1e-9)
-        slope_t = max(self.target_cost(base + n) - self.target_cost(base), 0.0) / n
-        slope_d = 0.0 if self.draft_cost_free else max(
-            self.draft_cost(2 * n) - self.draft_cost(n), 0.0) / n
-        for k in range(1, self.k_max + 1):
-            gains = [expected_tokens(a, k) - 1.0 for a in acceptance]
-            # this step's share of each catch-up: the tokens it emits over those still to come
-            share = [b * min(1.0, (g + 1.0) / max(r, 1)) for b, g, r in
-                     zip(backlog, gains, remaining)]
-            # most extra tokens per second of verification and catch-up first
-            order = sorted(range(n), key=lambda i: -gains[i] / (
-                k * slope_t + share[i] * slope_d + 1e-9))
-            tokens, catch_up = float(n), 0.0
-            for m, i in enumerate(order, start=1):
-                tokens += gains[i]
-                catch_up += share[i]
-                cost = self.target_cost(base + m * k) + self._draft_steps_cost(catch_up, m, k)
-                rate = tokens / max(cost, 1e-9)
-                if rate > best_rate:
-                    best_k, best_order, best_rate = k, order[:m], rate
+
+        def steady(i: int, gain: float) -> float:
+            return 0.0 if free else gain + 1.0
+
+        steady_acceptance = acceptance + [self.prior_acceptance] * pending
+        _, steady_set, _ = self._plan(steady_acceptance, len(steady_acceptance), steady,
+                                      self.invest_min_gain)
+        amortized = {i for i in steady_set if i < n}
+
+        def charge(i: int, gain: float) -> float:
+            if free:
+                return 0.0
+            emitted = gain + 1.0
+            excess = max(backlog[i] - emitted, 0.0)
+            share = min(1.0, emitted / max(remaining[i], 1)) if i in amortized else 1.0
+            return min(backlog[i], emitted) + excess * share
+
+        best_k, best_order, best_rate = self._plan(acceptance, other_tokens + n, charge,
+                                                   self.min_gain)
         ks = [0] * n
         if best_k == 0:
             return ks
-        # Per sequence: keep draft position j only if a^j beats its marginal verification cost.
-        threshold = slope_t * best_rate
+        # Per sequence: keep draft position j only if its expected gain beats its marginal
+        # verification cost at the chosen rate.
+        base = other_tokens + n
+        threshold = max(self.target_cost(base + n) - self.target_cost(base), 0.0) / n * best_rate
+        scale = self.gain_scale
         for i in best_order:
             a, k = acceptance[i], 0
-            while k < best_k and a ** (k + 1) > threshold:
+            while k < best_k and scale * a ** (k + 1) > threshold:
                 k += 1
             ks[i] = k
         return ks
 
+    def predicted_accepted(self, acceptance: float, k: int) -> float:
+        """Accepted tokens the acceptance model expects of k drafts (no realized-gain scale)."""
+        return expected_tokens(acceptance, k) - 1.0
+
+    def _plan(self, acceptance: list[float], base: int, charge,
+              margin: float) -> tuple[int, list[int], float]:
+        """The K (and the sequences that draft) with the most tokens per second for one step.
+
+        base: tokens in the target pass without drafts; charge(i, gain): draft tokens sequence
+        i's catch-up costs this step. K = 0 unless a plan beats plain decoding by `margin`.
+        """
+        n = len(acceptance)
+        plain_rate = n / max(self.target_cost(base), 1e-9)
+        best_k, best_order, best_rate = 0, [], plain_rate * (1.0 + margin)
+        slope_t = max(self.target_cost(base + n) - self.target_cost(base), 0.0) / n
+        slope_d = 0.0 if self.draft_cost_free else max(
+            self.draft_cost(2 * n) - self.draft_cost(n), 0.0) / n
+        scale = self.gain_scale
+        for k in range(1, self.k_max + 1):
+            gains = [scale * self.predicted_accepted(a, k) for a in acceptance]
+            charges = [charge(i, g) for i, g in enumerate(gains)]
+            # most extra tokens per second of verification and catch-up first
+            order = sorted(range(n), key=lambda i: -gains[i] / (
+                k * slope_t + charges[i] * slope_d + 1e-9))
+            tokens, catch_up = float(n), 0.0
+            for m, i in enumerate(order, start=1):
+                tokens += gains[i]
+                catch_up += charges[i]
+                cost = self.target_cost(base + m * k) + self._draft_steps_cost(catch_up, m, k)
+                rate = tokens / max(cost, 1e-9)
+                if rate > best_rate:
+                    best_k, best_order, best_rate = k, order[:m], rate
+        return best_k, best_order, best_rate
+
     def _draft_steps_cost(self, catch_up_tokens: float, batch: int, k: int) -> float:
-        """First forward: every drafting sequence's backlog (at least 1 token each); then k - 1
-        forwards of one token per sequence."""
+        """First forward: every drafting sequence's catch-up (at least 1 token each); then
+        k - 1 forwards of one token per sequence."""
         if self.draft_cost_free:
             return 0.0
         return (self.draft_cost(max(catch_up_tokens, batch))

@@ -9,7 +9,10 @@ One `propose` call = k batched draft forwards: the first catches every sequence'
 up on its newly committed tokens (a whole prompt for a new sequence, the accepted tokens plus
 the bonus token otherwise) and drafts token 1; each further forward drafts one more token for
 the sequences that want it. Draft tokens are sampled from q = the draft's processed
-distribution (the same `process_logits` settings the verifier applies to the target).
+distribution (the same `process_logits` settings the verifier applies to the target). A
+sequence stops drafting early when q gave the token it just drafted less than
+`stop_confidence`: such a token is likely rejected, and drafting past it is likely wasted. The
+draft length then depends on the draft alone, so the verifier stays exact.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ class DraftModelProposer(Proposer):
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int,
                  block_manager: BlockManager, target_vocab_size: int,
                  tokenizer_size: int | None = None, seed: int = 0,
-                 cpu_matmul_autotune: bool = False) -> None:
+                 cpu_matmul_autotune: bool = False, stop_confidence: float = 0.0) -> None:
         draft_vocab = ModelShape.of(model).vocab_size
         check_vocab(draft_vocab, target_vocab_size, tokenizer_size)
         self.runner = ModelRunner(model, num_blocks, block_size,
@@ -50,6 +53,7 @@ class DraftModelProposer(Proposer):
         self.valid_vocab = min(draft_vocab, target_vocab_size, tokenizer_size or draft_vocab)
         self.device = self.runner.device
         self.seed = seed
+        self.stop_confidence = stop_confidence
         self.generator = torch.Generator(device=self.device).manual_seed(seed + 1)
         self._seq_generators: dict[str, torch.Generator] = {}
         self.last_step_seconds: list[tuple[int, float]] = []  # (tokens, seconds) per forward
@@ -68,7 +72,8 @@ class DraftModelProposer(Proposer):
         return gen
 
     def _reserve(self, seq: Sequence, k: int) -> int:
-        """Reserve the slots the draft writes (up to position num_tokens + k - 2); shrink k if short."""
+        """Reserve the slots the draft writes (positions up to num_tokens + k - 2); shrink k
+        if the pool is short."""
         while k > 0 and not self.block_manager.allocate(seq, seq.num_tokens + k - 1):
             k -= 1
         return k
@@ -102,9 +107,15 @@ class DraftModelProposer(Proposer):
                      for i in active]
             tensors = sampler.build_sampling_tensors(specs, self.target_vocab_size, self.device)
             processed = sampler.process_logits(logits, tensors)
-            tokens = sampler.sample(processed, tensors, self.generator).tolist()
+            sampled = sampler.sample(processed, tensors, self.generator)
+            tokens = sampled.tolist()
             # q matters only to sampled requests; greedy verification compares tokens
             q = None if tensors.all_greedy else torch.softmax(processed, dim=-1)  # [n, V]
+            confident = [True] * len(active)
+            if self.stop_confidence > 0.0 and any(ks[i] > step + 1 for i in active):
+                chosen = processed.gather(1, sampled[:, None]).squeeze(1)
+                conf = torch.exp(chosen - torch.logsumexp(processed, dim=-1))
+                confident = (conf >= self.stop_confidence).tolist()
             num_tokens = sum(len(item.token_ids) for item in items)
             self.last_step_seconds.append((num_tokens, time.perf_counter() - t0))
             step += 1
@@ -113,7 +124,7 @@ class DraftModelProposer(Proposer):
                 if q is not None:
                     probs[i].append(q[j])
                 seqs[i].num_draft_computed = seqs[i].num_tokens + step - 1
-            active = [i for i in active if ks[i] > step]
+            active = [i for j, i in enumerate(active) if ks[i] > step and confident[j]]
             items = [RunItem([drafts[i][-1]], seqs[i].num_tokens + step - 1, seqs[i].block_table, 1)
                      for i in active]
         return Proposal(drafts, [torch.stack(p) if len(p) == len(d) and p else None

@@ -30,6 +30,7 @@ class Speculator:
                                       draft_cost_free=config.method == "ngram")
         self.stats = SpecDecodeStats(k_max=config.k_max)
         self._draft_probs: dict[str, torch.Tensor] = {}  # request id -> [k, V] q
+        self._acceptance: dict[str, float] = {}  # request id -> estimate its drafts were chosen on
 
     # -- drafting --------------------------------------------------------------------------
     def propose(self, running: list[Sequence], budget: int, row_spec) -> None:
@@ -48,10 +49,14 @@ class Speculator:
                      if s not in candidates)
         backlog = [s.num_tokens - s.num_draft_computed for s in candidates]
         rooms = [self._room(s) for s in candidates]
+        pending = sum(s.params.speculative and s.num_computed_tokens < s.num_tokens - 1
+                      for s in running)  # prompts being computed: they decode soon
         ks = [min(k, room) for k, room in
-              zip(ctl.choose(alphas, others, backlog, [r + 1 for r in rooms]), rooms)]
+              zip(ctl.choose(alphas, others, backlog, [r + 1 for r in rooms], pending), rooms)]
         self.stats.record_choice(ks)
         chosen = [(s, k) for s, k in zip(candidates, ks) if k > 0]
+        for s, a in zip(candidates, alphas):
+            self._acceptance[s.request_id] = a
         if not chosen:
             return
         seqs = [s for s, _ in chosen]
@@ -87,12 +92,16 @@ class Speculator:
         seq.num_accepted_tokens += num_accepted
         seq.num_spec_rejections += num_accepted < num_drafted
         self.stats.record_verification(num_drafted, num_accepted)
-        self.controller.record_verification(num_drafted, num_accepted)
+        a = self._acceptance.get(seq.request_id)
+        self.controller.record_verification(
+            num_drafted, num_accepted,
+            None if a is None else self.controller.predicted_accepted(a, num_drafted))
 
     def record_target_step(self, num_tokens: int, seconds: float) -> None:
         self.controller.target_cost.record(num_tokens, seconds)
 
     def forget(self, seq: Sequence, finished: bool) -> None:
         self._draft_probs.pop(seq.request_id, None)
+        self._acceptance.pop(seq.request_id, None)
         if finished:
             self.proposer.free(seq)
