@@ -140,33 +140,36 @@ class LLMEngine:
         return speculator
 
     def _calibrate(self, speculator) -> None:
-        """Seed the cost model: time target passes of n tokens and draft steps of b sequences."""
+        """Seed the cost model: time target passes and draft forwards of n tokens (one
+        sequence), and of 16 one-token sequences for the per-sequence cost."""
         from engine.sequence import Sequence
-        from engine.spec_decode.speculator import (CALIBRATION_BATCH, CALIBRATION_CATCH_UP,
-                                                   CALIBRATION_TOKENS)
+        from engine.spec_decode.speculator import (CALIBRATION_SEQS, CALIBRATION_TOKENS,
+                                                   CALIBRATION_TOKENS_DRAFT)
 
         context = 64
         dummy = Sequence("__calibration__", [0] * context, SamplingParams())
-        need = context + max(CALIBRATION_TOKENS + CALIBRATION_CATCH_UP)
+        need = context + max(CALIBRATION_TOKENS + CALIBRATION_TOKENS_DRAFT)
         if not self.block_manager.allocate(dummy, need):
             return
+        ctl = speculator.controller
+        draft_runner = getattr(speculator.proposer, "runner", None)
         try:
-            self.runner.execute([RunItem([0] * context, 0, dummy.block_table, 1)])  # warm-up
-            for n in CALIBRATION_TOKENS:
-                seconds = self._time(lambda: self.runner.execute(
-                    [RunItem([0] * n, context, dummy.block_table, n)]))
-                speculator.controller.target_cost.record(n, seconds)
-            draft_runner = getattr(speculator.proposer, "runner", None)
-            if draft_runner is not None:
-                draft_runner.execute([RunItem([0] * context, 0, dummy.block_table, 1)])
-                for b in CALIBRATION_BATCH:  # recorded by tokens in the forward
-                    items = [RunItem([0], context, dummy.block_table, 1)] * b
-                    seconds = self._time(lambda: draft_runner.execute(items))
-                    speculator.controller.draft_cost.record(b, seconds)
-                for n in CALIBRATION_CATCH_UP:
-                    item = [RunItem([0] * n, context, dummy.block_table, 1)]
-                    seconds = self._time(lambda: draft_runner.execute(item))
-                    speculator.controller.draft_cost.record(n, seconds)
+            for runner, sizes, table in ((self.runner, CALIBRATION_TOKENS, ctl.target_cost),
+                                         (draft_runner, CALIBRATION_TOKENS_DRAFT,
+                                          ctl.draft_cost)):
+                if runner is None:
+                    continue
+                runner.execute([RunItem([0] * context, 0, dummy.block_table, 1)])  # warm-up
+                for n in sizes:
+                    table.record(n, self._time(lambda: runner.execute(
+                        [RunItem([0] * n, context, dummy.block_table, n)])))
+                one_token_seqs = [RunItem([0], context, dummy.block_table, 1)] * CALIBRATION_SEQS
+                seconds = self._time(lambda: runner.execute(one_token_seqs))
+                per_seq = max(seconds - table(CALIBRATION_SEQS), 0.0) / (CALIBRATION_SEQS - 1)
+                if runner is self.runner:
+                    ctl.target_seq_cost = per_seq
+                else:
+                    ctl.draft_seq_cost = per_seq
         finally:
             self.block_manager.free(dummy)
 
@@ -271,7 +274,8 @@ class LLMEngine:
         step_logits = self.runner.execute(items)
         new_tokens, logprobs = self._verify(out, step_logits)
         if spec:  # the cost of a target pass includes verifying its drafts
-            spec.record_target_step(out.num_batched_tokens, time.perf_counter() - t0)
+            spec.record_target_step(out.num_batched_tokens, len(items),
+                                    time.perf_counter() - t0)
         num_outputs = [s.seq.num_output_tokens for s in out.scheduled]
         changed = self.scheduler.update(out, new_tokens)
         for sched, before, lps in zip(out.scheduled, num_outputs, logprobs):
@@ -282,8 +286,9 @@ class LLMEngine:
             for seq in changed:
                 if seq.is_finished:
                     spec.forget(seq, finished=True)
+            room = self.config.max_num_seqs - len(self.scheduler.running)
             spec.propose(self.scheduler.running, self.config.max_num_batched_tokens,
-                         self._row_spec)
+                         self._row_spec, min(len(self.scheduler.waiting), max(room, 0)))
         return [self._output(seq) for seq in changed]
 
     def _row_spec(self, seq: Sequence, drafts: list[int]) -> sampler.RowSpec:

@@ -308,6 +308,16 @@ def test_realized_acceptance_scales_predicted_gains():
     assert ctl.prior_acceptance < 0.5  # new sequences start from what verification showed
 
 
+def test_per_sequence_cost_is_kept_out_of_the_token_table():
+    """16 one-token sequences cost more than one 16-token sequence; the table keeps tokens."""
+    ctl = controller({1: 0.1, 16: 0.2, 32: 0.3}, {1: 0.01})
+    ctl.target_seq_cost = 0.005
+    ctl.record_target(16, 16, 0.2 + 15 * 0.005)
+    assert ctl.target_cost(16) == pytest.approx(0.2)
+    assert ctl.target_step(16, 16) == pytest.approx(0.275)
+    assert ctl.target_step(32, 16) == pytest.approx(0.375)  # drafts add tokens, not sequences
+
+
 def test_expected_tokens():
     assert expected_tokens(0.0, 5) == 1.0
     assert expected_tokens(1.0, 3) == 4.0

@@ -76,8 +76,12 @@ class KController:
     k_max: int
     adaptive: bool = True
     draft_cost_free: bool = False  # n-gram: proposing costs (almost) nothing
+    # seconds of a forward = table(tokens) + seq_cost * (sequences - 1): a pass over many
+    # sequences pays per-sequence attention work that one sequence of as many tokens does not
     target_cost: CostTable = field(default_factory=CostTable)
     draft_cost: CostTable = field(default_factory=CostTable)
+    target_seq_cost: float = 0.0
+    draft_seq_cost: float = 0.0
     initial_acceptance: float = 0.7  # assumed before any verification
     prior_acceptance: float = 0.7  # acceptance of a sequence with no history yet (running)
     min_gain: float = 0.03  # speculate only when the predicted rate beats plain by this much
@@ -85,6 +89,20 @@ class KController:
     feedback_decay: float = 0.99  # per verification, for the prior and the realized-gain scale
     _prior_counts: list[float] = field(default_factory=lambda: [0.0, 0.0])
     _gain_sums: list[float] = field(default_factory=lambda: [0.0, 0.0])  # realized, predicted
+
+    def record_target(self, tokens: int, seqs: int, seconds: float) -> None:
+        extra = self.target_seq_cost * max(seqs - 1, 0)
+        self.target_cost.record(tokens, max(seconds - extra, 0.1 * seconds))
+
+    def record_draft(self, tokens: int, seqs: int, seconds: float) -> None:
+        extra = self.draft_seq_cost * max(seqs - 1, 0)
+        self.draft_cost.record(tokens, max(seconds - extra, 0.1 * seconds))
+
+    def target_step(self, tokens: float, seqs: int) -> float:
+        return self.target_cost(tokens) + self.target_seq_cost * max(seqs - 1, 0)
+
+    def draft_step(self, tokens: float, seqs: int) -> float:
+        return self.draft_cost(tokens) + self.draft_seq_cost * max(seqs - 1, 0)
 
     @property
     def gain_scale(self) -> float:
@@ -116,14 +134,16 @@ class KController:
 
     def choose(self, acceptance: list[float], other_tokens: int,
                backlog: list[int] | None = None,
-               remaining: list[int] | None = None, pending: int = 0) -> list[int]:
+               remaining: list[int] | None = None, pending: int = 0,
+               other_seqs: int = 0) -> list[int]:
         """k per drafting sequence.
 
         acceptance: per-position acceptance estimate of each sequence; other_tokens: tokens the
         next target pass computes for other sequences (prompt chunks); backlog: tokens each
         sequence's draft cache must catch up on before drafting (0 for a free proposer);
         remaining: tokens each sequence may still generate; pending: sequences that will join
-        the decoding batch soon (their prompts are being computed).
+        the decoding batch soon (prompts being computed or waiting); other_seqs: sequences in
+        the next target pass besides these (prompt chunks).
 
         Every drafting step catches the draft cache up on the tokens the previous step emitted:
         that part of the backlog is a cost of this step. A longer backlog (a prompt, tokens
@@ -147,7 +167,7 @@ class KController:
 
         steady_acceptance = acceptance + [self.prior_acceptance] * pending
         _, steady_set, _ = self._plan(steady_acceptance, len(steady_acceptance), steady,
-                                      self.invest_min_gain)
+                                      self.invest_min_gain, len(steady_acceptance))
         amortized = {i for i in steady_set if i < n}
 
         def charge(i: int, gain: float) -> float:
@@ -159,7 +179,7 @@ class KController:
             return min(backlog[i], emitted) + excess * share
 
         best_k, best_order, best_rate = self._plan(acceptance, other_tokens + n, charge,
-                                                   self.min_gain)
+                                                   self.min_gain, n + other_seqs)
         ks = [0] * n
         if best_k == 0:
             return ks
@@ -179,15 +199,16 @@ class KController:
         """Accepted tokens the acceptance model expects of k drafts (no realized-gain scale)."""
         return expected_tokens(acceptance, k) - 1.0
 
-    def _plan(self, acceptance: list[float], base: int, charge,
-              margin: float) -> tuple[int, list[int], float]:
+    def _plan(self, acceptance: list[float], base: int, charge, margin: float,
+              seqs: int) -> tuple[int, list[int], float]:
         """The K (and the sequences that draft) with the most tokens per second for one step.
 
         base: tokens in the target pass without drafts; charge(i, gain): draft tokens sequence
-        i's catch-up costs this step. K = 0 unless a plan beats plain decoding by `margin`.
+        i's catch-up costs this step; seqs: sequences in the target pass. K = 0 unless a plan
+        beats plain decoding by `margin`.
         """
         n = len(acceptance)
-        plain_rate = n / max(self.target_cost(base), 1e-9)
+        plain_rate = n / max(self.target_step(base, seqs), 1e-9)
         best_k, best_order, best_rate = 0, [], plain_rate * (1.0 + margin)
         slope_t = max(self.target_cost(base + n) - self.target_cost(base), 0.0) / n
         slope_d = 0.0 if self.draft_cost_free else max(
@@ -203,7 +224,8 @@ class KController:
             for m, i in enumerate(order, start=1):
                 tokens += gains[i]
                 catch_up += charges[i]
-                cost = self.target_cost(base + m * k) + self._draft_steps_cost(catch_up, m, k)
+                cost = (self.target_step(base + m * k, seqs)
+                        + self._draft_steps_cost(catch_up, m, k))
                 rate = tokens / max(cost, 1e-9)
                 if rate > best_rate:
                     best_k, best_order, best_rate = k, order[:m], rate
@@ -214,5 +236,5 @@ class KController:
         k - 1 forwards of one token per sequence."""
         if self.draft_cost_free:
             return 0.0
-        return (self.draft_cost(max(catch_up_tokens, batch))
-                + (k - 1) * self.draft_cost(batch))
+        return (self.draft_step(max(catch_up_tokens, batch), batch)
+                + (k - 1) * self.draft_step(batch, batch))

@@ -56,7 +56,8 @@ class DraftModelProposer(Proposer):
         self.stop_confidence = stop_confidence
         self.generator = torch.Generator(device=self.device).manual_seed(seed + 1)
         self._seq_generators: dict[str, torch.Generator] = {}
-        self.last_step_seconds: list[tuple[int, float]] = []  # (tokens, seconds) per forward
+        # (tokens, sequences, seconds) per forward
+        self.last_step_seconds: list[tuple[int, int, float]] = []
 
     def free(self, seq: Sequence) -> None:
         self._seq_generators.pop(seq.request_id, None)
@@ -117,7 +118,7 @@ class DraftModelProposer(Proposer):
                 conf = torch.exp(chosen - torch.logsumexp(processed, dim=-1))
                 confident = (conf >= self.stop_confidence).tolist()
             num_tokens = sum(len(item.token_ids) for item in items)
-            self.last_step_seconds.append((num_tokens, time.perf_counter() - t0))
+            self.last_step_seconds.append((num_tokens, len(items), time.perf_counter() - t0))
             step += 1
             for j, i in enumerate(active):
                 drafts[i].append(tokens[j])

@@ -16,9 +16,10 @@ from engine.spec_decode.adaptive import AcceptanceStats, KController
 from engine.spec_decode.proposer import Proposer
 from engine.spec_decode.stats import SpecDecodeStats
 
+# one sequence of this many tokens; CALIBRATION_SEQS one-token sequences for the per-sequence cost
 CALIBRATION_TOKENS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
-CALIBRATION_BATCH = (1, 2, 4, 8, 16, 32)  # draft: this many sequences of one token each
-CALIBRATION_CATCH_UP = (64, 128, 256)  # draft: one sequence catching up on this many tokens
+CALIBRATION_TOKENS_DRAFT = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+CALIBRATION_SEQS = 16
 
 
 class Speculator:
@@ -33,10 +34,12 @@ class Speculator:
         self._acceptance: dict[str, float] = {}  # request id -> estimate its drafts were chosen on
 
     # -- drafting --------------------------------------------------------------------------
-    def propose(self, running: list[Sequence], budget: int, row_spec) -> None:
+    def propose(self, running: list[Sequence], budget: int, row_spec,
+                num_waiting: int = 0) -> None:
         """Choose k and draft for every running sequence that is decoding.
 
-        `row_spec(seq, drafts_so_far)` -> the sampler's RowSpec at the next position.
+        `row_spec(seq, drafts_so_far)` -> the sampler's RowSpec at the next position;
+        num_waiting: admitted-soon requests still waiting (they will decode in this batch too).
         """
         candidates = [s for s in running if s.params.speculative
                       and s.num_computed_tokens == s.num_tokens - 1]
@@ -45,14 +48,15 @@ class Speculator:
         ctl = self.controller
         alphas = [AcceptanceStats(s.num_accepted_tokens, s.num_spec_rejections)
                   .estimate(ctl.prior_acceptance) for s in candidates]
-        others = sum(min(s.num_uncomputed_tokens, budget) for s in running
-                     if s not in candidates)
+        others = [s for s in running if s not in candidates]
+        other_tokens = sum(min(s.num_uncomputed_tokens, budget) for s in others)
         backlog = [s.num_tokens - s.num_draft_computed for s in candidates]
         rooms = [self._room(s) for s in candidates]
-        pending = sum(s.params.speculative and s.num_computed_tokens < s.num_tokens - 1
-                      for s in running)  # prompts being computed: they decode soon
-        ks = [min(k, room) for k, room in
-              zip(ctl.choose(alphas, others, backlog, [r + 1 for r in rooms], pending), rooms)]
+        pending = num_waiting + sum(s.params.speculative and s.num_computed_tokens <
+                                    s.num_tokens - 1 for s in running)  # decode soon
+        ks = ctl.choose(alphas, other_tokens, backlog, [r + 1 for r in rooms], pending,
+                        len(others))
+        ks = [min(k, room) for k, room in zip(ks, rooms)]
         self.stats.record_choice(ks)
         chosen = [(s, k) for s, k in zip(candidates, ks) if k > 0]
         for s, a in zip(candidates, alphas):
@@ -64,8 +68,8 @@ class Speculator:
         proposal = self.proposer.propose(seqs, [k for _, k in chosen],
                                          lambda i, drafts: row_spec(seqs[i], drafts))
         self.stats.draft_seconds += time.perf_counter() - t0
-        for num_tokens, seconds in getattr(self.proposer, "last_step_seconds", ()):
-            ctl.draft_cost.record(num_tokens, seconds)
+        for num_tokens, num_seqs, seconds in getattr(self.proposer, "last_step_seconds", ()):
+            ctl.record_draft(num_tokens, num_seqs, seconds)
         for seq, drafts, q in zip(seqs, proposal.token_ids, proposal.probs):
             seq.draft_token_ids = list(drafts)
             if q is not None and drafts:
@@ -97,8 +101,8 @@ class Speculator:
             num_drafted, num_accepted,
             None if a is None else self.controller.predicted_accepted(a, num_drafted))
 
-    def record_target_step(self, num_tokens: int, seconds: float) -> None:
-        self.controller.target_cost.record(num_tokens, seconds)
+    def record_target_step(self, num_tokens: int, num_seqs: int, seconds: float) -> None:
+        self.controller.record_target(num_tokens, num_seqs, seconds)
 
     def forget(self, seq: Sequence, finished: bool) -> None:
         self._draft_probs.pop(seq.request_id, None)
