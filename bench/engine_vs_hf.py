@@ -15,8 +15,6 @@ Prints a table, ends with a RESULT line, writes bench/results/engine_vs_hf.md.
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
 import platform
 import random
 import sys
@@ -29,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from engine.models.loader import load_model  # noqa: E402
+from results_file import write_results  # noqa: E402
 
 TEXT = """specserve is an OpenAI-compatible inference server whose engine does speculative decoding.
 Continuous batching keeps the accelerator busy by admitting new requests as soon as others
@@ -139,14 +138,9 @@ def main() -> int:
     table = "\n".join(lines)
     print(table)
     print(result)
-    cmd = "python bench/engine_vs_hf.py " + " ".join(sys.argv[1:])
-    meta = (f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}\n"
-            f"- machine: {platform.machine()}, {os.cpu_count()} CPUs, {args.threads} torch "
-            f"threads, torch {torch.__version__}, {platform.platform()}\n"
-            f"- command: `{cmd.strip()}`\n- fp32, greedy; ratios are the minimum over models\n")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(f"# Engine vs transformers generate\n\n{meta}\n{table}\n\n"
-                              f"`{result}`\n")
+    write_results(args.out, "Engine vs transformers generate", args.threads,
+                  [platform.platform(), "fp32, greedy; ratios are the minimum over models"],
+                  table, result)
     return 0
 
 

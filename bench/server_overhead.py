@@ -11,10 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import json
-import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -27,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from results_file import write_results  # noqa: E402
 from server_utils import ServerProcess  # noqa: E402
 
 
@@ -94,12 +92,9 @@ def main() -> int:
     result = f"RESULT http_overhead={ratio:.3f}"
     print(table)
     print(result)
-    cmd = "python bench/server_overhead.py " + " ".join(sys.argv[1:])
-    meta = (f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}\n"
-            f"- machine: {platform.machine()}, {os.cpu_count()} CPUs, {args.threads} torch "
-            f"threads\n- command: `{cmd.strip()}`\n- model {args.model}, fp32, greedy, "
-            f"{args.max_tokens} new tokens per request, all requests at once, no speculation\n")
-    Path(args.out).write_text(f"# Server overhead\n\n{meta}\n{table}\n\n`{result}`\n")
+    write_results(args.out, "Server overhead", args.threads,
+                  [f"model {args.model}, fp32, greedy, {args.max_tokens} new tokens per request, "
+                   f"all requests at once, no speculation"], table, result)
     return 0
 
 

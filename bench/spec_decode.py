@@ -14,11 +14,8 @@ Prints a table, ends with a RESULT line, writes bench/results/spec_decode.md.
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
-import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -31,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from engine.config import SpeculativeConfig  # noqa: E402
 from engine.models.loader import load_model  # noqa: E402
+from results_file import write_results  # noqa: E402
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
 
@@ -186,20 +184,15 @@ def main() -> int:
     print(table)
     print(f"ideal speedup from measured acceptance and step costs: {ideal:.2f}")
     print(result)
-    cmd = "python bench/spec_decode.py " + " ".join(sys.argv[1:])
-    meta = (f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}\n"
-            f"- machine: {platform.machine()}, {os.cpu_count()} CPUs, {args.threads} torch "
-            f"threads, torch {torch.__version__}\n- command: `{cmd.strip()}`\n"
-            f"- target {TARGET} {args.dtype}; draft {DRAFT} {args.dtype}"
-            f"{' with int8 weight-only linears' if args.draft_quantization == 'int8' else ''}; "
-            f"the same draft object for transformers' assisted generation\n"
-            f"- {len(prompts)} chat prompts from {Path(args.prompts).relative_to(ROOT)}, "
-            f"{args.max_tokens} new tokens each, one request at a time for (a)-(d); the sweep "
-            f"runs `concurrency` requests at once, {args.sweep_max_tokens} new tokens each"
-            f"{', plain/spec/spec/plain per level, summed' if args.sweep_repeats > 1 else ''}\n"
-            f"- ideal speedup from measured acceptance and step costs: {ideal:.2f}\n")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(f"# Speculative decoding\n\n{meta}\n{table}\n\n`{result}`\n")
+    write_results(args.out, "Speculative decoding", args.threads, [
+        f"target {TARGET} {args.dtype}; draft {DRAFT} {args.dtype}"
+        f"{' with int8 weight-only linears' if args.draft_quantization == 'int8' else ''}; "
+        f"the same draft object for transformers' assisted generation",
+        f"{len(prompts)} chat prompts from {Path(args.prompts).relative_to(ROOT)}, "
+        f"{args.max_tokens} new tokens each, one request at a time for (a)-(d); the sweep "
+        f"runs `concurrency` requests at once, {args.sweep_max_tokens} new tokens each"
+        f"{', plain/spec/spec/plain per level, summed' if args.sweep_repeats > 1 else ''}",
+        f"ideal speedup from measured acceptance and step costs: {ideal:.2f}"], table, result)
     return 0
 
 

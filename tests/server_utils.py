@@ -31,6 +31,19 @@ def save_tiny_model(folder: Path) -> Path:
     return folder
 
 
+def wait_ok(url: str, timeout: float, alive=lambda: True) -> bool:
+    """Poll `url` until it answers 200 (True), `alive()` turns False or time runs out."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and alive():
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    return False
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -50,16 +63,10 @@ class ServerProcess:
             cwd=root, env=full_env, stdout=self._log, stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout: float = 120) -> "ServerProcess":
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(self.url + "/ready", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        if wait_ok(self.url + "/ready", timeout, lambda: self.proc.poll() is None):
+            return self
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"server exited {self.proc.returncode}:\n{self.log()}")
         raise TimeoutError(f"server not ready in {timeout}s:\n{self.log()}")
 
     def log(self) -> str:

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server_utils import ServerProcess, free_port, save_tiny_model
+from server_utils import ServerProcess, free_port, save_tiny_model, wait_ok
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "tiny"
@@ -151,14 +151,7 @@ def test_prometheus_runs_every_dashboard_query(spec_server, tmp_path):
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     api = f"http://127.0.0.1:{port}/api/v1"
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/-/ready").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
+        assert wait_ok(f"http://127.0.0.1:{port}/-/ready", 60), "prometheus did not start"
         end = time.monotonic() + 12  # a short load across several scrapes
         while time.monotonic() < end:
             load(spec_server.url, n=4, max_tokens=16)
@@ -195,13 +188,7 @@ def test_nginx_streams_unbuffered_and_survives_a_replica_kill(model_dir, tmp_pat
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(url + "/ready").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+        assert wait_ok(url + "/ready", 20), "nginx did not start"
         # 1. streaming passes through unbuffered: the first chunk long before the last
         body = {"model": MODEL, "messages": HELLO, "max_tokens": 800, "stream": True,
                 "ignore_eos": True}

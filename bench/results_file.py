@@ -1,0 +1,25 @@
+"""The results file every bench script writes: title, what ran where and when, table, RESULT."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+
+def write_results(out: str | Path, title: str, threads: int, details: list[str], table: str,
+                  result: str) -> None:
+    """details: bench-specific lines (models, dtypes, workload) after date, machine, command."""
+    command = " ".join(["python", f"bench/{Path(sys.argv[0]).name}", *sys.argv[1:]])
+    meta = [f"date: {datetime.datetime.now().isoformat(timespec='seconds')}",
+            f"machine: {platform.machine()}, {os.cpu_count()} CPUs, {threads} torch threads, "
+            f"torch {torch.__version__}",
+            f"command: `{command}`", *details]
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(f"# {title}\n\n" + "".join(f"- {line}\n" for line in meta)
+                   + f"\n{table}\n\n`{result}`\n")
