@@ -172,7 +172,7 @@ class ChoiceState:
     text: str = ""
     entries: list = field(default_factory=list)  # (token id, logprobs) of every token
 
-    def advance(self, out, tokenizer) -> tuple[str, list]:
+    def advance(self, out) -> tuple[str, list]:
         """Feed one engine output; returns (released text, logprob entries of new tokens)."""
         if out.finished and out.finish_reason == "abort":
             raise APIError(503, "the request was aborted: the server is shutting down", None,
@@ -354,10 +354,10 @@ def create_app(state: ServerState, engine: LLMEngine | None = None) -> FastAPI:
         max_tokens = req.max_completion_tokens or req.max_tokens
         params = sampling_params(state, req, len(prompt_ids), max_tokens,
                                  (req.top_logprobs or 0) if req.logprobs else None, "messages")
-        rid = request.scope.get("state", {}).get("request_id") or new_id("chatcmpl")
         choices = [ChoiceState(i, IncrementalDetokenizer(state.tokenizer), StopChecker(req.stop))
                    for i in range(req.n)]
-        completion_id = f"chatcmpl-{rid}"
+        # never the client's X-Request-Id: two requests sending the same one must not collide
+        completion_id = new_id("chatcmpl")
         streams = submit(state, prompt_ids, params, completion_id)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -373,16 +373,16 @@ def create_app(state: ServerState, engine: LLMEngine | None = None) -> FastAPI:
         prompt_ids = completion_prompt(state, req)
         params = sampling_params(state, req, len(prompt_ids), req.max_tokens or 16,
                                  req.logprobs, "prompt")
-        rid = request.scope.get("state", {}).get("request_id") or new_id("cmpl")
         choices = [ChoiceState(i, IncrementalDetokenizer(state.tokenizer), StopChecker(req.stop))
                    for i in range(req.n)]
-        streams = submit(state, prompt_ids, params, f"cmpl-{rid}")
+        completion_id = new_id("cmpl")
+        streams = submit(state, prompt_ids, params, completion_id)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return stream_response(completion_stream(state, req, prompt_ids, streams, choices,
-                                                     f"cmpl-{rid}", include_usage))
+                                                     completion_id, include_usage))
         return await run_until_done_or_disconnect(
-            request, completion_full(state, req, prompt_ids, streams, choices, f"cmpl-{rid}"))
+            request, completion_full(state, req, prompt_ids, streams, choices, completion_id))
 
     app.add_middleware(BodyLimitMiddleware, max_bytes=cfg.max_body_bytes)
     app.add_middleware(AuthMiddleware, api_keys=cfg.api_keys)
@@ -444,7 +444,7 @@ async def run_to_completion(state, streams, choices) -> None:
         choice = choices[i]
         if choice.done:
             continue
-        choice.advance(out, state.tokenizer)
+        choice.advance(out)
         if choice.done and not out.finished:
             streams[i].close()  # a stop string ended it: abort
         if all(c.done for c in choices):
@@ -483,7 +483,7 @@ async def chat_stream(state, req, prompt_ids, streams, choices, completion_id, i
             c = choices[i]
             if c.done:
                 continue
-            text, entries = c.advance(out, state.tokenizer)
+            text, entries = c.advance(out)
             if text or entries:
                 lp = ({"content": chat_logprobs(state.tokenizer, entries)}
                       if req.logprobs else None)
@@ -549,7 +549,7 @@ async def completion_stream(state, req, prompt_ids, streams, choices, completion
             c = choices[i]
             if c.done:
                 continue
-            text, entries = c.advance(out, state.tokenizer)
+            text, entries = c.advance(out)
             if text or c.done:
                 lp = (completion_logprobs(state.tokenizer, entries, len(c.text) - len(text))
                       if req.logprobs is not None else None)

@@ -26,7 +26,6 @@ class IncrementalDetokenizer:
         self.ids: list[int] = []
         self.prefix_offset = 0  # window start: decoded text before read_offset is known
         self.read_offset = 0  # tokens whose text has been emitted
-        self.text = ""
 
     def _decode(self, ids: list[int]) -> str:
         if self._backend is not None:
@@ -41,7 +40,6 @@ class IncrementalDetokenizer:
         if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
             delta = full_text[len(prefix_text):]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-            self.text += delta
             return delta
         return ""
 
@@ -52,7 +50,6 @@ class IncrementalDetokenizer:
         prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
         delta = self._decode(self.ids[self.prefix_offset:])[len(prefix_text):]
         self.read_offset = len(self.ids)
-        self.text += delta
         return delta
 
 

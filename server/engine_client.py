@@ -46,8 +46,7 @@ class EngineClient:
         self._thread = threading.Thread(target=self._run, name="specserve-engine", daemon=True)
         self.error: BaseException | None = None
         self.num_in_flight = 0  # requests added and not yet finished (event-loop side)
-        self.num_running = 0  # snapshots published by the engine thread after each step
-        self.num_waiting = 0
+        self.num_running = 0  # snapshot published by the engine thread after each step
         self.step_listeners: list = []  # callables(engine, outputs) run in the engine thread
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -150,7 +149,6 @@ class EngineClient:
 
     def _publish(self, outputs: list[RequestOutput] = ()) -> None:
         self.num_running = self.engine.num_running
-        self.num_waiting = self.engine.num_waiting
         for listener in self.step_listeners:
             listener(self.engine, outputs)
 
@@ -175,7 +173,8 @@ class RequestStream:
         if self.finished or self._closed:
             raise StopAsyncIteration
         item = await self._stream.queue.get()
-        if isinstance(item, BaseException):
+        if isinstance(item, BaseException):  # the engine never took it, or the loop died
+            self.finished = True
             self.close()
             raise item
         if item.finished:

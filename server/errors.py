@@ -6,7 +6,6 @@ or stack traces reach a client.
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 
@@ -87,12 +86,8 @@ def install(app: FastAPI) -> None:
     async def _http(_: Request, exc: StarletteHTTPException):
         message = {404: "no such route", 405: "method not allowed"}.get(exc.status_code,
                                                                          str(exc.detail))
-        return error_response(exc.status_code, message, None, None,
+        return error_response(exc.status_code, message, None, getattr(exc, "code", None),
                               getattr(exc, "headers", None))
-
-    @app.exception_handler(json.JSONDecodeError)
-    async def _json(_: Request, exc: json.JSONDecodeError):
-        return error_response(400, "the request body is not valid JSON", None, "invalid_json")
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):

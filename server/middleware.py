@@ -12,6 +12,8 @@ import logging
 import time
 import uuid
 
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
 from server.errors import error_body
 
 log = logging.getLogger("specserve.access")
@@ -85,8 +87,14 @@ class AuthMiddleware:
         return await self.app(scope, receive, send)
 
 
-class _BodyTooLarge(Exception):
-    pass
+class BodyTooLarge(StarletteHTTPException):
+    """Raised from inside the app's body read: FastAPI passes HTTP exceptions through to the
+    error handlers (any other exception there becomes a 400 "error parsing the body")."""
+
+    code = "body_too_large"
+
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__(413, f"request body larger than {max_bytes} bytes")
 
 
 class BodyLimitMiddleware:
@@ -109,7 +117,7 @@ class BodyLimitMiddleware:
             if message["type"] == "http.request":
                 seen[0] += len(message.get("body", b""))
                 if seen[0] > self.max_bytes:
-                    raise _BodyTooLarge()
+                    raise BodyTooLarge(self.max_bytes)
             return message
 
         async def tracking_send(message):
@@ -119,10 +127,10 @@ class BodyLimitMiddleware:
 
         try:
             await self.app(scope, counting_receive, tracking_send)
-        except _BodyTooLarge:
+        except BodyTooLarge:  # read outside FastAPI's handlers
             if not started[0]:
                 await self._reject(send)
 
     async def _reject(self, send):
-        await send_json(send, 413, error_body(
-            413, f"request body larger than {self.max_bytes} bytes", None, "body_too_large"))
+        exc = BodyTooLarge(self.max_bytes)
+        await send_json(send, 413, error_body(413, exc.detail, None, exc.code))

@@ -40,6 +40,9 @@ class ChatMessage(_Request):
         return "".join(part.text for part in self.content)
 
 
+MAX_STOP_CHARS = 1000  # each step looks for every prefix of every stop string
+
+
 class StreamOptions(_Request):
     include_usage: bool = False
 
@@ -74,6 +77,8 @@ class _SamplingFields(_Request):
             raise ValueError("at most 4 stop sequences")
         if any(not s for s in stops):
             raise ValueError("stop sequences must be non-empty")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"stop sequences must be at most {MAX_STOP_CHARS} characters")
         return stops
 
     @field_validator("logit_bias")
@@ -108,6 +113,13 @@ class CompletionRequest(_SamplingFields):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     logprobs: Optional[int] = Field(default=None, ge=0, le=5)
     echo: bool = False
+
+    @field_validator("echo")
+    @classmethod
+    def _check_echo(cls, value):
+        if value:
+            raise ValueError("echo is not supported")
+        return value
 
     @field_validator("prompt")
     @classmethod

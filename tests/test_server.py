@@ -199,6 +199,9 @@ BAD = [
     ("wrong content type", b"model=tiny", {"content-type": "text/plain"}, 400, None),
     ("seed not an integer", {"model": MODEL, "messages": HELLO, "seed": "abc"}, None, 400, "seed"),
     ("completion empty prompt", {"model": MODEL, "prompt": ""}, None, 400, "prompt"),
+    ("completion echo", {"model": MODEL, "prompt": "hi", "echo": True}, None, 400, "echo"),
+    ("stop string too long", {"model": MODEL, "messages": HELLO, "stop": "x" * 5000}, None, 400,
+     "stop"),
 ]
 
 
@@ -227,6 +230,14 @@ def test_body_too_large(server):
                    headers={"content-type": "application/json"})
     assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
 
+    def chunked():  # no Content-Length: the limit is found while the body is read
+        for _ in range(6):
+            yield b"x" * (1 << 20)
+
+    r = httpx.post(server.url + "/v1/chat/completions", content=chunked(),
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+
 
 def test_serves_normally_after_bad_inputs(client):
     out = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=3)
@@ -238,6 +249,29 @@ def test_request_id_echo(server):
     assert r.headers["x-request-id"] == "abc-123"
     r = httpx.get(server.url + "/v1/models")
     assert len(r.headers["x-request-id"]) == 32
+
+
+def test_requests_sharing_a_request_id_do_not_collide(server):
+    body = {"model": MODEL, "messages": HELLO, "max_tokens": 24, "ignore_eos": True}
+
+    async def one():
+        async with httpx.AsyncClient(timeout=60) as http:
+            return await http.post(server.url + "/v1/chat/completions", json=body,
+                                   headers={"X-Request-Id": "same"})
+
+    async def main():
+        return await asyncio.gather(one(), one(), one())
+
+    rs = asyncio.run(main())
+    assert [r.status_code for r in rs] == [200] * 3, [r.text for r in rs]
+    assert all(r.json()["usage"]["completion_tokens"] == 24 for r in rs)
+    assert len({r.json()["id"] for r in rs}) == 3
+
+
+def test_top_k_beyond_the_vocabulary_means_the_whole_vocabulary(client):
+    out = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=4,
+                                         extra_body={"top_k": 2 ** 63 - 1, "ignore_eos": True})
+    assert out.usage.completion_tokens == 4
 
 
 def _metric(server, name):
