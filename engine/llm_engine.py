@@ -57,8 +57,9 @@ class LLMEngine:
         self.tokenizer = tokenizer
         spec = config.speculative
         if spec.enabled and spec.method == "draft_model":
-            draft_model = self._prepare_draft(draft_model if draft_model is not None
-                                              else self._load_draft(model))
+            owned = draft_model is None  # loaded here: nobody else holds it
+            draft_model = self._prepare_draft(self._load_draft(model) if owned else draft_model,
+                                              owned)
         models = [model] + ([draft_model] if spec.enabled and spec.method == "draft_model" else [])
         num_blocks = config.num_blocks or self._blocks_for_memory(models)
         self.runner = ModelRunner(model, num_blocks, config.block_size,
@@ -89,8 +90,9 @@ class LLMEngine:
                               spec.draft_gguf_file, None, self.config.model_cache_dir)
         return draft
 
-    def _prepare_draft(self, draft: torch.nn.Module) -> torch.nn.Module:
-        """Optional weight-only int8 linears for the draft: exactness comes from the verifier."""
+    def _prepare_draft(self, draft: torch.nn.Module, owned: bool) -> torch.nn.Module:
+        """Optional weight-only int8 linears for the draft: exactness comes from the verifier.
+        A caller's model (not `owned`) is never changed in place."""
         if self.config.speculative.draft_quantization != "int8":
             return draft
         if next(draft.parameters()).device.type != "cpu":
@@ -100,12 +102,14 @@ class LLMEngine:
 
         from torch.ao.quantization import quantize_dynamic
 
-        # dynamic int8 linears take fp32 activations; never change the caller's model in place
-        fp32 = draft if draft.dtype == torch.float32 else copy.deepcopy(draft).float()
+        # dynamic int8 linears take fp32 activations
+        if owned or draft.dtype == torch.float32:
+            fp32, inplace = draft.float(), owned
+        else:
+            fp32, inplace = copy.deepcopy(draft).float(), True
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch marks the quantized tensor API deprecated
-            return quantize_dynamic(fp32, {torch.nn.Linear}, dtype=torch.qint8,
-                                    inplace=fp32 is not draft)
+            return quantize_dynamic(fp32, {torch.nn.Linear}, dtype=torch.qint8, inplace=inplace)
 
     def _blocks_for_memory(self, models: list[torch.nn.Module]) -> int:
         """Blocks that fit kv_cache_memory_gb; a draft model's KV shares the same block ids."""
@@ -153,23 +157,24 @@ class LLMEngine:
             return
         ctl = speculator.controller
         draft_runner = getattr(speculator.proposer, "runner", None)
+
+        def timed(runner, items) -> float:  # a forward and a greedy pick from its logits, as
+            return self._time(lambda: runner.execute(items).logits.argmax(-1).tolist())  # live
+
         try:
-            for runner, sizes, table in ((self.runner, CALIBRATION_TOKENS, ctl.target_cost),
-                                         (draft_runner, CALIBRATION_TOKENS_DRAFT,
-                                          ctl.draft_cost)):
+            for runner, sizes, table, seq_cost in (
+                    (self.runner, CALIBRATION_TOKENS, ctl.target_cost, "target_seq_cost"),
+                    (draft_runner, CALIBRATION_TOKENS_DRAFT, ctl.draft_cost, "draft_seq_cost")):
                 if runner is None:
                     continue
                 runner.execute([RunItem([0] * context, 0, dummy.block_table, 1)])  # warm-up
                 for n in sizes:
-                    table.record(n, self._time(lambda: runner.execute(
-                        [RunItem([0] * n, context, dummy.block_table, n)])))
+                    table.record(n, timed(runner, [RunItem([0] * n, context, dummy.block_table,
+                                                           n)]))
                 one_token_seqs = [RunItem([0], context, dummy.block_table, 1)] * CALIBRATION_SEQS
-                seconds = self._time(lambda: runner.execute(one_token_seqs))
-                per_seq = max(seconds - table(CALIBRATION_SEQS), 0.0) / (CALIBRATION_SEQS - 1)
-                if runner is self.runner:
-                    ctl.target_seq_cost = per_seq
-                else:
-                    ctl.draft_seq_cost = per_seq
+                seconds = timed(runner, one_token_seqs)
+                setattr(ctl, seq_cost,
+                        max(seconds - table(CALIBRATION_SEQS), 0.0) / (CALIBRATION_SEQS - 1))
         finally:
             self.block_manager.free(dummy)
 

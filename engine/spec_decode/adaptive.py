@@ -83,7 +83,6 @@ class KController:
     target_seq_cost: float = 0.0
     draft_seq_cost: float = 0.0
     initial_acceptance: float = 0.7  # assumed before any verification
-    prior_acceptance: float = 0.7  # acceptance of a sequence with no history yet (running)
     min_gain: float = 0.03  # speculate only when the predicted rate beats plain by this much
     invest_min_gain: float = 0.10  # ... and catch up a long backlog only for a win this clear
     feedback_decay: float = 0.99  # per verification, for the prior and the realized-gain scale
@@ -105,6 +104,11 @@ class KController:
         return self.draft_cost(tokens) + self.draft_seq_cost * max(seqs - 1, 0)
 
     @property
+    def prior_acceptance(self) -> float:
+        """Acceptance of a sequence with no history yet: that of recent drafts."""
+        return AcceptanceStats(*self._prior_counts).estimate(self.initial_acceptance)
+
+    @property
     def gain_scale(self) -> float:
         """Accepted tokens realized / predicted by the acceptance model, over recent drafts.
 
@@ -123,14 +127,19 @@ class KController:
         (before the realized-gain scale)."""
         if not num_drafted:
             return
-        d = self.feedback_decay
-        acc, rej = self._prior_counts
-        self._prior_counts = [acc * d + num_accepted, rej * d + (num_accepted < num_drafted)]
-        acc, rej = self._prior_counts
-        self.prior_acceptance = (acc + self.initial_acceptance * 4.0) / (acc + rej + 4.0)
+        self._forget()
+        self._prior_counts[0] += num_accepted
+        self._prior_counts[1] += num_accepted < num_drafted
         if predicted_accepted is not None:
-            realized, predicted = self._gain_sums
-            self._gain_sums = [realized * d + num_accepted, predicted * d + predicted_accepted]
+            self._gain_sums[0] += num_accepted
+            self._gain_sums[1] += predicted_accepted
+
+    def _forget(self) -> None:
+        """Decay the evidence: per verification, and per step without drafts, so a prior or
+        gain scale that turned speculation off cannot keep it off forever."""
+        d = self.feedback_decay
+        self._prior_counts = [x * d for x in self._prior_counts]
+        self._gain_sums = [x * d for x in self._gain_sums]
 
     def choose(self, acceptance: list[float], other_tokens: int,
                backlog: list[int] | None = None,
@@ -162,13 +171,14 @@ class KController:
         backlog = [0] * n if free or backlog is None else backlog
         remaining = remaining if remaining is not None else [1] * n
 
-        def steady(i: int, gain: float) -> float:
-            return 0.0 if free else gain + 1.0
-
-        steady_acceptance = acceptance + [self.prior_acceptance] * pending
-        _, steady_set, _ = self._plan(steady_acceptance, len(steady_acceptance), steady,
-                                      self.invest_min_gain, len(steady_acceptance))
-        amortized = {i for i in steady_set if i < n}
+        scale = self.gain_scale
+        amortized: set[int] = set()
+        if not free:  # which sequences may spread a long catch-up: those that win once caught up
+            steady_acceptance = acceptance + [self.prior_acceptance] * pending
+            _, steady_set, _, _ = self._plan(steady_acceptance, len(steady_acceptance),
+                                             lambda i, gain: gain + 1.0, self.invest_min_gain,
+                                             len(steady_acceptance), scale)
+            amortized = {i for i in steady_set if i < n}
 
         def charge(i: int, gain: float) -> float:
             if free:
@@ -178,16 +188,15 @@ class KController:
             share = min(1.0, emitted / max(remaining[i], 1)) if i in amortized else 1.0
             return min(backlog[i], emitted) + excess * share
 
-        best_k, best_order, best_rate = self._plan(acceptance, other_tokens + n, charge,
-                                                   self.min_gain, n + other_seqs)
+        best_k, best_order, best_rate, slope_t = self._plan(
+            acceptance, other_tokens + n, charge, self.min_gain, n + other_seqs, scale)
         ks = [0] * n
         if best_k == 0:
+            self._forget()
             return ks
         # Per sequence: keep draft position j only if its expected gain beats its marginal
         # verification cost at the chosen rate.
-        base = other_tokens + n
-        threshold = max(self.target_cost(base + n) - self.target_cost(base), 0.0) / n * best_rate
-        scale = self.gain_scale
+        threshold = slope_t * best_rate
         for i in best_order:
             a, k = acceptance[i], 0
             while k < best_k and scale * a ** (k + 1) > threshold:
@@ -199,13 +208,14 @@ class KController:
         """Accepted tokens the acceptance model expects of k drafts (no realized-gain scale)."""
         return expected_tokens(acceptance, k) - 1.0
 
-    def _plan(self, acceptance: list[float], base: int, charge, margin: float,
-              seqs: int) -> tuple[int, list[int], float]:
-        """The K (and the sequences that draft) with the most tokens per second for one step.
+    def _plan(self, acceptance: list[float], base: int, charge, margin: float, seqs: int,
+              scale: float) -> tuple[int, list[int], float, float]:
+        """The K (and the sequences that draft) with the most tokens per second for one step,
+        its rate, and the target's marginal seconds per verified token.
 
         base: tokens in the target pass without drafts; charge(i, gain): draft tokens sequence
-        i's catch-up costs this step; seqs: sequences in the target pass. K = 0 unless a plan
-        beats plain decoding by `margin`.
+        i's catch-up costs this step; seqs: sequences in the target pass; scale: the realized
+        gain scale. K = 0 unless a plan beats plain decoding by `margin`.
         """
         n = len(acceptance)
         plain_rate = n / max(self.target_step(base, seqs), 1e-9)
@@ -213,7 +223,6 @@ class KController:
         slope_t = max(self.target_cost(base + n) - self.target_cost(base), 0.0) / n
         slope_d = 0.0 if self.draft_cost_free else max(
             self.draft_cost(2 * n) - self.draft_cost(n), 0.0) / n
-        scale = self.gain_scale
         for k in range(1, self.k_max + 1):
             gains = [scale * self.predicted_accepted(a, k) for a in acceptance]
             charges = [charge(i, g) for i, g in enumerate(gains)]
@@ -229,7 +238,7 @@ class KController:
                 rate = tokens / max(cost, 1e-9)
                 if rate > best_rate:
                     best_k, best_order, best_rate = k, order[:m], rate
-        return best_k, best_order, best_rate
+        return best_k, best_order, best_rate, slope_t
 
     def _draft_steps_cost(self, catch_up_tokens: float, batch: int, k: int) -> float:
         """First forward: every drafting sequence's catch-up (at least 1 token each); then

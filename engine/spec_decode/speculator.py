@@ -46,8 +46,9 @@ class Speculator:
         if not candidates:
             return
         ctl = self.controller
-        alphas = [AcceptanceStats(s.num_accepted_tokens, s.num_spec_rejections)
-                  .estimate(ctl.prior_acceptance) for s in candidates]
+        prior = ctl.prior_acceptance
+        alphas = [AcceptanceStats(s.num_accepted_tokens, s.num_spec_rejections).estimate(prior)
+                  for s in candidates]
         others = [s for s in running if s not in candidates]
         other_tokens = sum(min(s.num_uncomputed_tokens, budget) for s in others)
         backlog = [s.num_tokens - s.num_draft_computed for s in candidates]
