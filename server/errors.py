@@ -63,7 +63,7 @@ def _validation_message(errors: list[dict]) -> str:
         return "invalid request"
     first = errors[0]
     where = _validation_param([first])
-    msg = first.get("msg", "invalid value")
+    msg = first.get("msg", "invalid value").removeprefix("Value error, ")  # pydantic's prefix
     if first.get("type") == "json_invalid":
         return "the request body is not valid JSON"
     if first.get("type") == "model_attributes_type":
