@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 SPEC_METHODS = ("none", "draft_model", "ngram")
 
@@ -65,13 +65,15 @@ class EngineConfig:
     cpu_matmul_autotune: bool = True  # time matmul forms for few-row linears at start-up (CPU)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
+    @classmethod
+    def from_dict(cls, data: dict) -> "EngineConfig":
+        """The `engine:` section of a config file; an unknown option is an error naming it."""
+        return cls(**_known_options(cls, data, "engine"))
+
     def __post_init__(self) -> None:
         if isinstance(self.speculative, dict):
-            known = set(SpeculativeConfig.__dataclass_fields__)
-            unknown = sorted(set(self.speculative) - known)
-            if unknown:
-                raise ValueError(f"unknown speculative option(s) {unknown}; known: {sorted(known)}")
-            self.speculative = SpeculativeConfig(**self.speculative)
+            self.speculative = SpeculativeConfig(
+                **_known_options(SpeculativeConfig, self.speculative, "speculative"))
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"invalid engine config {name}: must be >= 1")
@@ -83,17 +85,9 @@ class EngineConfig:
             raise ValueError("invalid engine config max_model_len: must be >= 2")
 
 
-def load_engine_config(path: str, **overrides) -> EngineConfig:
-    """Read the `engine:` section of a YAML file in configs/; keyword overrides win."""
-    import dataclasses
-
-    import yaml
-
-    with open(path) as f:
-        data = (yaml.safe_load(f) or {}).get("engine", {}) or {}
-    known = {f.name for f in dataclasses.fields(EngineConfig)}
+def _known_options(cls, data: dict, section: str) -> dict:
+    known = {f.name for f in fields(cls)}
     unknown = sorted(set(data) - known)
     if unknown:
-        raise ValueError(f"{path}: unknown engine option(s) {unknown}; known: {sorted(known)}")
-    data.update({k: v for k, v in overrides.items() if v is not None})
-    return EngineConfig(**data)
+        raise ValueError(f"unknown {section} option(s) {unknown}; known: {sorted(known)}")
+    return data

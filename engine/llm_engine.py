@@ -19,6 +19,7 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.errors import InvalidRequestError
 from engine.model_runner import ModelRunner, RunItem
 from engine.sample import rejection_sampler, sampler
 from engine.sampling_params import SamplingParams
@@ -211,24 +212,42 @@ class LLMEngine:
         return ids
 
     # -- requests --------------------------------------------------------------------------
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Refuse what this engine cannot run (InvalidRequestError naming the field).
+
+        Sampling ranges are checked when `params` is built; this adds what needs the model:
+        token ids inside the vocabulary, and the prompt plus max_tokens inside the context.
+        """
+        vocab, context = self.vocab_size, self.max_model_len
+        if not prompt_ids:
+            raise InvalidRequestError("invalid prompt: it is empty", "prompt")
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_ids):
+            raise InvalidRequestError(f"invalid prompt: token ids must be in [0, {vocab})",
+                                      "prompt")
+        if len(prompt_ids) >= context:
+            raise InvalidRequestError(
+                f"invalid prompt: {len(prompt_ids)} tokens, but the context length is {context} "
+                f"(prompt plus at least one new token)", "prompt", "context_length_exceeded")
+        room = context - len(prompt_ids)
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise InvalidRequestError(
+                f"invalid max_tokens: {params.max_tokens}, but only {room} tokens fit after the "
+                f"{len(prompt_ids)}-token prompt (context {context})", "max_tokens",
+                "context_length_exceeded")
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise InvalidRequestError(f"invalid sampling parameter logit_bias: token ids must be "
+                                      f"in [0, {vocab})", "logit_bias")
+
     def add_request(self, prompt: list[int] | str, params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
-        """Validate and queue a request; raises ValueError naming the bad field."""
+        """Validate and queue a request; raises InvalidRequestError naming the bad field."""
         params = params or SamplingParams()
         prompt_ids = self._encode(prompt)
-        if not prompt_ids:
-            raise ValueError("invalid prompt: it is empty")
-        if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in prompt_ids):
-            raise ValueError(f"invalid prompt: token ids must be in [0, {self.vocab_size})")
-        if len(prompt_ids) >= self.max_model_len:
-            raise ValueError(f"invalid prompt: {len(prompt_ids)} tokens, but the context length "
-                             f"is {self.max_model_len} (prompt plus at least one new token)")
-        if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
-            raise ValueError(f"invalid sampling parameter logit_bias: token ids must be in "
-                             f"[0, {self.vocab_size})")
+        self.validate(prompt_ids, params)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._sequences:
-            raise ValueError(f"invalid request_id: {request_id!r} is already in flight")
+            raise InvalidRequestError(f"invalid request_id: {request_id!r} is already in flight",
+                                      "request_id")
         seq = Sequence(request_id, prompt_ids, params)
         if params.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(params.seed)
@@ -260,7 +279,8 @@ class LLMEngine:
     def _encode(self, prompt: list[int] | str) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("invalid prompt: text needs a tokenizer; pass token ids")
+                raise InvalidRequestError("invalid prompt: text needs a tokenizer; pass token ids",
+                                          "prompt")
             return self.tokenizer.encode(prompt, add_special_tokens=False)
         return list(prompt)
 

@@ -1,12 +1,14 @@
 """Per-request sampling settings. Plain Python: must not import torch.
 
-Invalid settings raise `ValueError` naming the field, at construction, before anything is
-scheduled.
+Invalid settings raise `InvalidRequestError` naming the field (`param`), at construction,
+before anything is scheduled.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from engine.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
 
@@ -77,4 +79,4 @@ def _is_number(value: object) -> bool:
 
 def _check(ok: bool, name: str, message: str) -> None:
     if not ok:
-        raise ValueError(f"invalid sampling parameter {name}: {message}")
+        raise InvalidRequestError(f"invalid sampling parameter {name}: {message}", name)

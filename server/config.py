@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import Any, Optional
 
@@ -35,11 +34,7 @@ class AppConfig(BaseModel):
     engine: dict[str, Any] = {}
 
     def engine_config(self) -> EngineConfig:
-        known = {f.name for f in dataclasses.fields(EngineConfig)}
-        unknown = sorted(set(self.engine) - known)
-        if unknown:
-            raise ValueError(f"unknown engine option(s) {unknown}; known: {sorted(known)}")
-        return EngineConfig(**self.engine)
+        return EngineConfig.from_dict(self.engine)
 
 
 # SPECSERVE_<NAME> -> (section, key, parser)
