@@ -39,13 +39,13 @@ def load_prompts(tok, path):
                                     return_dict=False) for r in rows]
 
 
-def make_engine(target, draft, tok, args, spec: bool):
-    cfg = SpeculativeConfig(method="draft_model" if spec else "none", draft_model=DRAFT,
+def make_engine(target, draft, tok, args, speculative: bool):
+    cfg = SpeculativeConfig(method="draft_model" if speculative else "none", draft_model=DRAFT,
                             k_max=args.k_max, adaptive=True,
                             draft_quantization=args.draft_quantization)
     return LLMEngine(EngineConfig(kv_cache_memory_gb=1.5, max_num_seqs=32,
                                   max_num_batched_tokens=512, speculative=cfg),
-                     model=target, tokenizer=tok, draft_model=draft if spec else None)
+                     model=target, tokenizer=tok, draft_model=draft if speculative else None)
 
 
 def run_one_at_a_time(engine, prompts, params):
@@ -62,7 +62,7 @@ def run_concurrent(engine, prompts, params):
 
 
 def spec_row(name, engine, tokens, seconds):
-    st = engine.speculator.stats if engine is not None and engine.speculator else None
+    st = engine.speculator.stats if engine is not None else None
     return {"case": name, "tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds,
             "accepted_len": st.mean_accepted_length if st else None,
             "acceptance": st.acceptance_rate if st else None,
@@ -87,8 +87,8 @@ def ideal_speedup(engine) -> float:
     sampling, verification bookkeeping) is what keeps the measured speedup below it."""
     ctl, st = engine.speculator.controller, engine.speculator.stats
     k = st.num_draft_tokens / max(st.num_drafts, 1)  # mean drafts per verification
-    spec = ctl.target_cost(1 + k) + st.draft_seconds / max(st.num_drafts, 1)
-    return st.mean_accepted_length * ctl.target_cost(1) / spec
+    step_seconds = ctl.target_cost(1 + k) + st.draft_seconds / max(st.num_drafts, 1)
+    return st.mean_accepted_length * ctl.target_cost(1) / step_seconds
 
 
 def main() -> int:
@@ -117,21 +117,21 @@ def main() -> int:
     t07 = SamplingParams(temperature=0.7, max_tokens=args.max_tokens, ignore_eos=True, seed=0)
 
     rows = []
-    plain_engine = make_engine(target, None, tok, args, spec=False)
+    plain_engine = make_engine(target, None, tok, args, speculative=False)
     run_one_at_a_time(plain_engine, prompts[:1], SamplingParams(temperature=0, max_tokens=4))
     rows.append(spec_row("(a) plain, greedy", plain_engine,
                          *run_one_at_a_time(plain_engine, prompts, greedy)))
     del plain_engine
     gc.collect()
 
-    spec_engine = make_engine(target, draft, tok, args, spec=True)
+    spec_engine = make_engine(target, draft, tok, args, speculative=True)
     draft_used = spec_engine.speculator.proposer.runner.model  # int8 when quantized
     rows.append(spec_row("(b) speculative, greedy", spec_engine,
                          *run_one_at_a_time(spec_engine, prompts, greedy)))
     ideal = ideal_speedup(spec_engine)
     del spec_engine
     gc.collect()
-    spec_engine = make_engine(target, draft, tok, args, spec=True)
+    spec_engine = make_engine(target, draft, tok, args, speculative=True)
     rows.append(spec_row("(c) speculative, temperature 0.7", spec_engine,
                          *run_one_at_a_time(spec_engine, prompts, t07)))
     del spec_engine
@@ -148,12 +148,13 @@ def main() -> int:
         totals = {False: [0, 0.0], True: [0, 0.0]}  # speculative? -> tokens, seconds
         ks, acceptance = [], []
         # plain, spec, spec, plain: a drift in machine speed during the level hits both alike
-        for spec in (False, True, True, False)[:4 if args.sweep_repeats > 1 else 2]:
-            engine = make_engine(target, draft if spec else None, tok, args, spec=spec)
+        for speculative in (False, True, True, False)[:4 if args.sweep_repeats > 1 else 2]:
+            engine = make_engine(target, draft if speculative else None, tok, args,
+                                 speculative=speculative)
             n, seconds = run_concurrent(engine, batch, sweep_params)
-            totals[spec][0] += n
-            totals[spec][1] += seconds
-            if spec:
+            totals[speculative][0] += n
+            totals[speculative][1] += seconds
+            if speculative:
                 ks.append(engine.speculator.stats.mean_k)
                 acceptance.append(engine.speculator.stats.acceptance_rate)
             del engine

@@ -10,21 +10,25 @@ class; offline users call `generate()`.
 
 from __future__ import annotations
 
-import copy
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
+from engine.attention.paged import PagedKVCache
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
-from engine.model_runner import ModelRunner, RunItem
+from engine.model_runner import ModelRunner, ModelShape, RunItem, StepLogits
+from engine.models.draft import load_draft, prepare_draft
+from engine.models.loader import load_model
 from engine.sample import rejection_sampler, sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sequence import Sequence
+from engine.spec_decode.speculator import build_speculator
 
 
 @dataclass
@@ -43,6 +47,16 @@ class RequestOutput:
     num_accepted_tokens: int = 0  # ... and accepted
 
 
+class RowOwner(NamedTuple):
+    """A scheduled sequence that owns logits rows this step: the row of its last committed
+    token, then one row per draft it verifies (k = len(drafts), 0 for plain sampling)."""
+
+    index: int  # in SchedulerOutput.scheduled
+    seq: Sequence
+    first_row: int
+    drafts: list[int]
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, model: torch.nn.Module | None = None,
                  tokenizer=None, draft_model: torch.nn.Module | None = None) -> None:
@@ -50,18 +64,12 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         if model is None:
-            from engine.models.loader import load_model
-
             model, tokenizer = load_model(config.model, config.dtype, config.device,
                                           config.gguf_file, config.tokenizer,
                                           config.model_cache_dir)
         self.tokenizer = tokenizer
-        spec = config.speculative
-        if spec.enabled and spec.method == "draft_model":
-            owned = draft_model is None  # loaded here: nobody else holds it
-            draft_model = self._prepare_draft(self._load_draft(model) if owned else draft_model,
-                                              owned)
-        models = [model] + ([draft_model] if spec.enabled and spec.method == "draft_model" else [])
+        draft_model = self._draft_model(model, draft_model)
+        models = [model] + ([draft_model] if draft_model is not None else [])
         num_blocks = config.num_blocks or self._blocks_for_memory(models)
         self.runner = ModelRunner(model, num_blocks, config.block_size,
                                   cpu_matmul_autotune=config.cpu_matmul_autotune)
@@ -79,44 +87,24 @@ class LLMEngine:
         self._sequences: dict[str, Sequence] = {}
         self._num_emitted: dict[str, int] = {}
         self._ids = itertools.count()
-        self.speculator = self._build_speculator(models, num_blocks) if spec.enabled else None
+        self.speculator = build_speculator(
+            config, self.runner, self.block_manager, draft_model,
+            len(tokenizer) if tokenizer is not None else None, self.max_model_len)
 
     # -- setup helpers ---------------------------------------------------------------------
-    def _load_draft(self, target: torch.nn.Module) -> torch.nn.Module:
-        from engine.models.loader import load_model
-
-        spec = self.config.speculative
-        device = str(next(target.parameters()).device)
-        draft, _ = load_model(spec.draft_model, spec.draft_dtype or self.config.dtype, device,
-                              spec.draft_gguf_file, None, self.config.model_cache_dir)
-        return draft
-
-    def _prepare_draft(self, draft: torch.nn.Module, owned: bool) -> torch.nn.Module:
-        """Optional weight-only int8 linears for the draft: exactness comes from the verifier.
-        A caller's model (not `owned`) is never changed in place."""
-        if self.config.speculative.draft_quantization != "int8":
-            return draft
-        if next(draft.parameters()).device.type != "cpu":
-            raise ValueError("invalid speculative config draft_quantization: int8 runs on the "
-                             "CPU only")
-        import warnings
-
-        from torch.ao.quantization import quantize_dynamic
-
-        # dynamic int8 linears take fp32 activations
-        if owned or draft.dtype == torch.float32:
-            fp32, inplace = draft.float(), owned
-        else:
-            fp32, inplace = copy.deepcopy(draft).float(), True
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # torch marks the quantized tensor API deprecated
-            return quantize_dynamic(fp32, {torch.nn.Linear}, dtype=torch.qint8, inplace=inplace)
+    def _draft_model(self, target: torch.nn.Module,
+                     given: torch.nn.Module | None) -> torch.nn.Module | None:
+        """The draft model speculation needs (loaded here unless `given`), or None."""
+        speculative = self.config.speculative
+        if not (speculative.enabled and speculative.method == "draft_model"):
+            return None
+        owned = given is None  # loaded here: nobody else holds it
+        draft = load_draft(speculative, target, self.config.dtype,
+                           self.config.model_cache_dir) if owned else given
+        return prepare_draft(draft, speculative.draft_quantization, owned)
 
     def _blocks_for_memory(self, models: list[torch.nn.Module]) -> int:
         """Blocks that fit kv_cache_memory_gb; a draft model's KV shares the same block ids."""
-        from engine.attention.paged import PagedKVCache
-        from engine.model_runner import ModelShape
-
         per_block = 0
         for model in models:
             shape = ModelShape.of(model)
@@ -124,74 +112,6 @@ class LLMEngine:
                                                       shape.num_kv_heads, shape.head_dim,
                                                       model.get_input_embeddings().weight.dtype)
         return max(1, int(self.config.kv_cache_memory_gb * (1 << 30) // per_block))
-
-    def _build_speculator(self, models: list[torch.nn.Module], num_blocks: int):
-        from engine.spec_decode.draft_model import DraftModelProposer
-        from engine.spec_decode.ngram import NgramProposer
-        from engine.spec_decode.speculator import Speculator
-
-        spec = self.config.speculative
-        if spec.method == "ngram":
-            proposer = NgramProposer(spec.ngram_min_n, spec.ngram_max_n)
-        else:
-            tok_size = len(self.tokenizer) if self.tokenizer is not None else None
-            proposer = DraftModelProposer(models[1], num_blocks, self.config.block_size,
-                                          self.block_manager, self.vocab_size, tok_size,
-                                          self.config.seed, self.config.cpu_matmul_autotune,
-                                          spec.draft_stop_confidence)
-        speculator = Speculator(spec, proposer, self.max_model_len)
-        if spec.adaptive and spec.calibrate:
-            self._calibrate(speculator)
-        return speculator
-
-    def _calibrate(self, speculator) -> None:
-        """Seed the cost model: time target passes and draft forwards of n tokens (one
-        sequence), and of 16 one-token sequences for the per-sequence cost."""
-        from engine.sequence import Sequence
-        from engine.spec_decode.speculator import (CALIBRATION_SEQS, CALIBRATION_TOKENS,
-                                                   CALIBRATION_TOKENS_DRAFT)
-
-        context = 64
-        dummy = Sequence("__calibration__", [0] * context, SamplingParams())
-        need = context + max(CALIBRATION_TOKENS + CALIBRATION_TOKENS_DRAFT)
-        if not self.block_manager.allocate(dummy, need):
-            return
-        ctl = speculator.controller
-        draft_runner = getattr(speculator.proposer, "runner", None)
-
-        def timed(runner, items) -> float:  # a forward and a greedy pick from its logits, as
-            return self._time(lambda: runner.execute(items).logits.argmax(-1).tolist())  # live
-
-        try:
-            for runner, sizes, table, seq_cost in (
-                    (self.runner, CALIBRATION_TOKENS, ctl.target_cost, "target_seq_cost"),
-                    (draft_runner, CALIBRATION_TOKENS_DRAFT, ctl.draft_cost, "draft_seq_cost")):
-                if runner is None:
-                    continue
-                runner.execute([RunItem([0] * context, 0, dummy.block_table, 1)])  # warm-up
-                for n in sizes:
-                    table.record(n, timed(runner, [RunItem([0] * n, context, dummy.block_table,
-                                                           n)]))
-                one_token_seqs = [RunItem([0], context, dummy.block_table, 1)] * CALIBRATION_SEQS
-                seconds = timed(runner, one_token_seqs)
-                setattr(ctl, seq_cost,
-                        max(seconds - table(CALIBRATION_SEQS), 0.0) / (CALIBRATION_SEQS - 1))
-        finally:
-            self.block_manager.free(dummy)
-
-    def _time(self, fn, repeats: int = 2) -> float:
-        best = float("inf")
-        for _ in range(repeats):
-            self._sync()
-            t0 = time.perf_counter()
-            fn()
-            self._sync()
-            best = min(best, time.perf_counter() - t0)
-        return best
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
 
     def _max_model_len(self, model: torch.nn.Module, num_blocks: int) -> int:
         model_len = getattr(model.config.get_text_config(), "max_position_embeddings", None)
@@ -261,8 +181,7 @@ class LLMEngine:
         seq = self.scheduler.abort(request_id)
         if seq is None:
             return None
-        if self.speculator:
-            self.speculator.forget(seq, finished=True)
+        self.speculator.drop([seq], finished=True)
         return self._output(seq)
 
     def has_unfinished(self) -> bool:
@@ -286,35 +205,37 @@ class LLMEngine:
 
     # -- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedule, run, verify, update, propose."""
         out = self.scheduler.schedule()
-        spec = self.speculator
-        if spec:
-            for seq in out.preempted:
-                spec.forget(seq, finished=False)
+        self.speculator.drop(out.preempted, finished=False)
         if out.is_empty:
             return []
-        items = [RunItem(s.token_ids, s.start, s.seq.block_table, s.num_sample_rows)
-                 for s in out.scheduled]
-        t0 = time.perf_counter()
-        step_logits = self.runner.execute(items)
-        new_tokens, logprobs = self._verify(out, step_logits)
-        if spec:  # the cost of a target pass includes verifying its drafts
-            spec.record_target_step(out.num_batched_tokens, len(items),
-                                    time.perf_counter() - t0)
-        num_outputs = [s.seq.num_output_tokens for s in out.scheduled]
-        changed = self.scheduler.update(out, new_tokens)
-        for sched, before, lps in zip(out.scheduled, num_outputs, logprobs):
-            if lps:  # keep the logprobs of the tokens actually committed
-                seq = sched.seq
-                seq.output_logprobs += lps[:seq.num_output_tokens - before]
-        if spec:
-            for seq in changed:
-                if seq.is_finished:
-                    spec.forget(seq, finished=True)
-            room = self.config.max_num_seqs - len(self.scheduler.running)
-            spec.propose(self.scheduler.running, self.config.max_num_batched_tokens,
-                         self._row_spec, min(len(self.scheduler.waiting), max(room, 0)))
+        started = time.perf_counter()
+        step_logits = self.runner.execute([RunItem(s.token_ids, s.start, s.seq.block_table,
+                                                   s.num_sample_rows) for s in out.scheduled])
+        owners = self._row_owners(out, step_logits)
+        emitted = self._verify(owners, step_logits.logits)
+        self.speculator.observe(out.num_batched_tokens, len(out.scheduled),
+                                time.perf_counter() - started,
+                                [(o.seq, len(o.drafts), len(e) - 1)
+                                 for o, e in zip(owners, emitted)])
+        changed = self._update(out, owners, emitted,
+                               self._logprobs(owners, emitted, step_logits.logits))
+        self.speculator.propose(self.scheduler.running, self._num_joining(), self._row_spec)
         return [self._output(seq) for seq in changed]
+
+    def _row_owners(self, out: SchedulerOutput, step_logits: StepLogits) -> list[RowOwner]:
+        """The scheduled sequences that own logits rows this step, with the drafts they verify.
+
+        A sequence with k verified drafts owns k + 1 rows; k = 0 is plain sampling. Prompt
+        chunks that do not reach the end of the prompt own no rows and get no tokens.
+        """
+        owners = []
+        for i, sched in enumerate(out.scheduled):
+            lo, hi = step_logits.row_offsets[i], step_logits.row_offsets[i + 1]
+            if hi > lo:  # the budget may have cut the drafts short
+                owners.append(RowOwner(i, sched.seq, lo, sched.seq.draft_token_ids[:hi - lo - 1]))
+        return owners
 
     def _row_spec(self, seq: Sequence, drafts: list[int]) -> sampler.RowSpec:
         """How to sample the position after `drafts` (the drafts count as generated tokens)."""
@@ -322,70 +243,73 @@ class LLMEngine:
         return sampler.RowSpec(seq.params, seq.prompt_token_ids, history,
                                 self._seq_generators.get(seq.request_id))
 
-    def _verify(self, out: SchedulerOutput, step_logits):
-        """Tokens (and logprobs) per scheduled sequence: accepted drafts + one token.
+    def _verify(self, owners: list[RowOwner], logits: torch.Tensor) -> list[list[int]]:
+        """Emitted tokens per row owner: its accepted drafts + one sampled token.
 
-        A sequence with k verified drafts owns k + 1 rows; k = 0 is plain sampling. Prompt
-        chunks that do not reach the end of the prompt own no rows and get no tokens.
+        logits: [R, V] raw, exactly the owners' rows in order.
         """
-        specs, owners, drafted = [], [], []
-        for i, sched in enumerate(out.scheduled):
-            lo, hi = step_logits.row_offsets[i], step_logits.row_offsets[i + 1]
-            if hi == lo:
-                continue
-            seq, k = sched.seq, hi - lo - 1
-            drafts = seq.draft_token_ids[:k]  # the budget may have cut the drafts short
-            specs += [self._row_spec(seq, drafts[:j]) for j in range(k + 1)]
-            owners.append((i, lo))
-            drafted.append(drafts)
-        new_tokens: list[list[int]] = [[] for _ in out.scheduled]
-        logprobs: list[list] = [[] for _ in out.scheduled]
-        if not specs:
-            return new_tokens, logprobs
-        raw = step_logits.logits  # [R, V]: exactly the rows of `specs`, in order
-        tensors = sampler.build_sampling_tensors(specs, self.vocab_size, self.device)
-        processed = sampler.process_logits(raw, tensors)
-        if not any(drafted):  # no speculation this step: one vectorized draw
-            emitted = [[t] for t in sampler.sample(processed, tensors, self.generator).tolist()]
-        else:
-            emitted = self._rejection_sample(out, owners, drafted, processed, tensors)
-        rows, tokens, nums = [], [], []
-        for (i, lo), toks, drafts in zip(owners, emitted, drafted):
-            seq = out.scheduled[i].seq
-            new_tokens[i] = toks
-            if self.speculator:
-                self.speculator.record(seq, len(drafts), len(toks) - 1)
-            if seq.params.logprobs is not None:
-                rows += range(lo, lo + len(toks))
-                tokens += toks
-                nums += [seq.params.logprobs] * len(toks)
-        if rows:
-            lps = sampler.logprobs_of(raw[rows], torch.tensor(tokens, device=raw.device), nums)
-            it = iter(lps)
-            for (i, _), toks in zip(owners, emitted):
-                if out.scheduled[i].seq.params.logprobs is not None:
-                    logprobs[i] = [next(it) for _ in toks]
-        return new_tokens, logprobs
+        if not owners:
+            return []
+        rows = [self._row_spec(o.seq, o.drafts[:j]) for o in owners
+                for j in range(len(o.drafts) + 1)]
+        tensors = sampler.build_sampling_tensors(rows, self.vocab_size, self.device)
+        processed = sampler.process_logits(logits, tensors)
+        if not any(o.drafts for o in owners):  # no speculation this step: one vectorized draw
+            return [[t] for t in sampler.sample(processed, tensors, self.generator).tolist()]
+        return self._rejection_sample(owners, processed)
 
-    def _rejection_sample(self, out, owners, drafted, processed, tensors) -> list[list[int]]:
-        seqs = [out.scheduled[i].seq for i, _ in owners]
-        greedy = [s.params.greedy for s in seqs]
+    def _rejection_sample(self, owners: list[RowOwner],
+                          processed: torch.Tensor) -> list[list[int]]:
+        greedy = [o.seq.params.greedy for o in owners]
         # greedy rows only need the argmax, which the processed logits already have
         target = processed if all(greedy) else torch.softmax(processed, dim=-1)
-        qs = [self.speculator.draft_probs(s, len(d)) for s, d in zip(seqs, drafted)]
+        qs = [self.speculator.draft_probs(o.seq, len(o.drafts)) for o in owners]
         draft_probs = None
-        if any(q is not None for q, d in zip(qs, drafted) if d):
+        if any(q is not None for q, o in zip(qs, owners) if o.drafts):
             # a greedy sequence's q is never read; one-hot keeps the rows aligned
             draft_probs = torch.cat([
                 q if q is not None else torch.nn.functional.one_hot(
-                    torch.tensor(d, device=self.device), self.vocab_size).float()
-                for q, d in zip(qs, drafted) if d])
-        flat = [t for d in drafted for t in d]
+                    torch.tensor(o.drafts, device=self.device), self.vocab_size).float()
+                for q, o in zip(qs, owners) if o.drafts])
+        flat = [t for o in owners for t in o.drafts]
         emitted = rejection_sampler.rejection_sample(
-            torch.tensor(flat, dtype=torch.long, device=self.device), [len(d) for d in drafted],
-            draft_probs, target, greedy,
-            [self._seq_generators.get(s.request_id) for s in seqs], self.generator)
+            torch.tensor(flat, dtype=torch.long, device=self.device),
+            [len(o.drafts) for o in owners], draft_probs, target, greedy,
+            [self._seq_generators.get(o.seq.request_id) for o in owners], self.generator)
         return rejection_sampler.to_lists(emitted)
+
+    def _logprobs(self, owners: list[RowOwner], emitted: list[list[int]],
+                  logits: torch.Tensor) -> list[list | None]:
+        """Per row owner, the logprobs of its emitted tokens (None unless it asked for them)."""
+        rows, tokens, nums = [], [], []
+        for o, toks in zip(owners, emitted):
+            if o.seq.params.logprobs is not None:
+                rows += range(o.first_row, o.first_row + len(toks))
+                tokens += toks
+                nums += [o.seq.params.logprobs] * len(toks)
+        if not rows:
+            return [None] * len(owners)
+        lps = iter(sampler.logprobs_of(logits[rows], torch.tensor(tokens, device=logits.device),
+                                       nums))
+        return [[next(lps) for _ in toks] if o.seq.params.logprobs is not None else None
+                for o, toks in zip(owners, emitted)]
+
+    def _update(self, out: SchedulerOutput, owners: list[RowOwner], emitted: list[list[int]],
+                logprobs: list[list | None]) -> list[Sequence]:
+        """Commit the emitted tokens with their logprobs (the scheduler rolls back rejected
+        slots and stops sequences); returns the sequences that got tokens or finished."""
+        tokens: list[list[int]] = [[] for _ in out.scheduled]
+        lps: list[list | None] = [None for _ in out.scheduled]
+        for o, toks, lp in zip(owners, emitted, logprobs):
+            tokens[o.index], lps[o.index] = toks, lp
+        changed = self.scheduler.update(out, tokens, lps)
+        self.speculator.drop([s for s in changed if s.is_finished], finished=True)
+        return changed
+
+    def _num_joining(self) -> int:
+        """Waiting requests that the next steps admit (they will decode in this batch too)."""
+        room = self.config.max_num_seqs - len(self.scheduler.running)
+        return min(len(self.scheduler.waiting), max(room, 0))
 
     def _output(self, seq: Sequence) -> RequestOutput:
         rid = seq.request_id

@@ -21,7 +21,6 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048  # token budget of one step
     max_num_seqs: int = 64  # running sequences at once
     max_model_len: int = 2048  # prompt + output tokens of one sequence
-    num_lookahead_tokens: int = 0  # extra slots a draft model writes beyond the verified tokens
 
 
 @dataclass
@@ -45,7 +44,6 @@ class ScheduledSeq:
             return 0  # a prompt chunk that does not reach the end yet
         return self.end - max(self.start, seq.num_tokens - 1)
 
-
     @property
     def token_ids(self) -> list[int]:
         return self.seq.tokens_between(self.start, self.end)
@@ -68,7 +66,6 @@ class SchedulerOutput:
 @dataclass
 class SchedulerStats:
     num_preemptions: int = 0
-    num_steps: int = 0
 
 
 class Scheduler:
@@ -105,17 +102,14 @@ class Scheduler:
         budget = self._schedule_running(out, budget)
         if not out.preempted:  # after a preemption the pool is tight: admit nobody new
             self._schedule_waiting(out, budget)
-        self.stats.num_steps += 1
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        lookahead = self.config.num_lookahead_tokens
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_uncomputed_tokens, budget)
-            while not self.block_manager.allocate(seq, seq.num_computed_tokens + num_new
-                                                  + lookahead):
+            while not self.block_manager.allocate(seq, seq.num_computed_tokens + num_new):
                 victim = self.running.pop()  # the newest; never one scheduled before index i
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -134,8 +128,7 @@ class Scheduler:
             cached = bm.match_prefix(seq)
             num_computed = len(cached) * bm.block_size
             num_new = min(seq.num_uncomputed_tokens - num_computed, budget)
-            if not bm.allocate(seq, num_computed + num_new + self.config.num_lookahead_tokens,
-                               cached):
+            if not bm.allocate(seq, num_computed + num_new, cached):
                 break
             self.waiting.popleft()
             bm.record_prefix_lookup(seq.num_tokens, num_computed)
@@ -162,17 +155,20 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     # -- update ----------------------------------------------------------------------------
-    def update(self, out: SchedulerOutput, new_token_ids: list[list[int]]) -> list[Sequence]:
-        """Commit the step's tokens; returns the sequences that got tokens or finished.
+    def update(self, out: SchedulerOutput, new_token_ids: list[list[int]],
+               new_logprobs: list[list | None] | None = None) -> list[Sequence]:
+        """Commit the step's tokens (and their logprobs); returns the sequences that got tokens
+        or finished.
 
         `new_token_ids[i]` are the tokens the verifier emitted for `out.scheduled[i]`: the
         accepted draft tokens followed by one sampled token (empty for a prompt chunk that did
-        not reach the end of the prompt). Rejected draft slots are rolled back: their KV is
-        simply overwritten later.
+        not reach the end of the prompt); `new_logprobs[i]`, when not None, one entry per token.
+        Tokens after a stop are dropped with their logprobs. Rejected draft slots are rolled
+        back: their KV is simply overwritten later.
         """
         now = time.monotonic()
         changed = []
-        for sched, tokens in zip(out.scheduled, new_token_ids):
+        for i, (sched, tokens) in enumerate(zip(out.scheduled, new_token_ids)):
             seq = sched.seq
             end, num_committed = sched.end, seq.num_tokens
             seq.draft_token_ids = []
@@ -185,25 +181,29 @@ class Scheduler:
             seq.num_draft_computed = min(seq.num_draft_computed, seq.num_computed_tokens)
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            for token in tokens:
-                seq.token_ids.append(token)
-                reason = self._stop_reason(seq, token)
-                if reason:
-                    self.running.remove(seq)
-                    self._finish(seq, reason)
-                    break
+            self._commit(seq, tokens, new_logprobs[i] if new_logprobs else None)
             if not seq.is_finished:
                 self.block_manager.cache_full_blocks(seq)
             changed.append(seq)
         return changed
 
+    def _commit(self, seq: Sequence, tokens: list[int], logprobs: list | None) -> None:
+        """Append tokens (with their logprobs) up to the first that stops the sequence."""
+        for j, token in enumerate(tokens):
+            seq.token_ids.append(token)
+            if logprobs is not None:
+                seq.output_logprobs.append(logprobs[j])
+            reason = self._stop_reason(seq, token)
+            if reason:
+                self.running.remove(seq)
+                self._finish(seq, reason)
+                return
+
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         params = seq.params
         if token in params.stop_token_ids:
-            seq.stop_token_id = token
             return "stop"
         if not params.ignore_eos and token in self.eos_token_ids:
-            seq.stop_token_id = token
             return "stop"
         if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
             return "length"

@@ -40,7 +40,6 @@ class Sequence:
         self.block_hashes: list[int] = []  # chained hashes of full committed blocks
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None  # "stop" | "length" | "abort"
-        self.stop_token_id: int | None = None
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
         self.num_preemptions = 0
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time

@@ -101,11 +101,12 @@ class Metrics:
         prefix = engine.block_manager.prefix_stats
         self._mirror("prefix_queries", self.prefix_queries, prefix.queries)
         self._mirror("prefix_hits", self.prefix_hits, prefix.hits)
-        spec = engine.speculator
-        if spec is None:
+        speculator = engine.speculator
+        if not speculator.enabled:
             return
-        st = spec.stats
-        self.kv_usage.labels("draft").set(usage if spec.config.method == "draft_model" else 0)
+        st = speculator.stats
+        self.kv_usage.labels("draft").set(
+            usage if speculator.config.method == "draft_model" else 0)
         self.spec_k.set(st.last_mean_k)
         self._mirror("drafts", self.spec_drafts, st.num_drafts)
         self._mirror("draft_tokens", self.spec_draft_tokens, st.num_draft_tokens)

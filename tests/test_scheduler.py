@@ -105,7 +105,7 @@ def test_finish_frees_blocks_and_stop_token_ids():
     fake_step(sched, token=8)
     fake_step(sched, token=9)
     assert a.status is SequenceStatus.FINISHED and a.finish_reason == "stop"
-    assert a.stop_token_id == 9
+    assert a.output_token_ids == [8, 9]  # the stop token is the last one committed
     assert not sched.has_unfinished
     assert sched.block_manager.num_free_blocks == 64
 

@@ -45,15 +45,14 @@ def rejection_sample(
     draft_start = torch.cumsum(k, 0) - k  # [B] offset of each sequence's drafts
     target_start = draft_start + torch.arange(batch, device=device)  # [B] its first target row
     pos = torch.arange(max_k, device=device)[None, :]  # [1, K]
-    valid = pos < k[:, None]  # [B, K]
     d_idx = (draft_start[:, None] + pos).clamp(max=max(draft_token_ids.numel() - 1, 0))
     drafts = draft_token_ids[d_idx] if max_k else torch.zeros((batch, 0), dtype=torch.long,
                                                                device=device)  # [B, K]
     t_rows = (target_start[:, None] + pos).clamp(max=target_probs.shape[0] - 1)  # [B, K]
     is_greedy = torch.tensor(greedy, dtype=torch.bool, device=device)  # [B]
 
-    # -- acceptance --------------------------------------------------------------------------
     if max_k:
+        # -- acceptance ----------------------------------------------------------------------
         p_x = target_probs[t_rows, drafts]  # [B, K]
         q_x = torch.ones_like(p_x) if draft_probs is None else draft_probs[d_idx, drafts]
         uniform = _uniforms((batch, max_k), num_draft_tokens, greedy, generators,
@@ -61,41 +60,48 @@ def rejection_sample(
         # q >= p: accept with probability p/q; q < p: always (uniform < 1 <= p/q)
         sampled_ok = uniform * q_x < p_x
         greedy_ok = drafts == target_probs.argmax(dim=-1)[t_rows]
-        accepted = torch.where(is_greedy[:, None], greedy_ok, sampled_ok) & valid
+        accepted = torch.where(is_greedy[:, None], greedy_ok, sampled_ok) & (pos < k[:, None])
         num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)  # [B]
     else:
         num_accepted = torch.zeros(batch, dtype=torch.long, device=device)
 
     # -- the final token: recovered at the first rejection, else bonus ------------------------
-    final_rows = target_start + num_accepted  # [B]
-    dist = target_probs[final_rows]  # [B, V]
-    greedy_final = dist.argmax(dim=-1)
+    dist = target_probs[target_start + num_accepted]  # [B, V]
+    final = dist.argmax(dim=-1)  # greedy: the target's own token, recovered or bonus
     if not all(greedy):
-        dist = dist.float().clone()
-        rejected = num_accepted < k  # [B]: recovered token, from max(p - q, 0)
-        if bool(rejected.any()):
-            at = num_accepted.clamp(max=max(max_k - 1, 0))[:, None]  # [B, 1]
-            rejected_draft = drafts.gather(1, at) if max_k else at  # [B, 1]
-            if draft_probs is None:
-                residual = dist.scatter(1, rejected_draft, 0.0)  # q one-hot on the draft
-            else:
-                q_row = draft_probs[d_idx.gather(1, at)[:, 0]]  # [B, V]
-                residual = (dist - q_row).clamp_min(0.0)
-            # a zero residual happens only when p == q numerically (rejection has prob. 0)
-            usable = rejected & (residual.sum(dim=-1) > 0)
-            dist = torch.where(usable[:, None], residual, dist)
+        at = num_accepted.clamp(max=max(max_k - 1, 0))[:, None]  # [B, 1] the first rejection
+        rejected_draft = drafts.gather(1, at) if max_k else at  # [B, 1]
+        q_row = None if draft_probs is None else draft_probs[d_idx.gather(1, at)[:, 0]]  # [B, V]
+        dist = _recovered_or_bonus(dist.float(), num_accepted < k, rejected_draft, q_row)
         gens = [None if g else gen for g, gen in zip(greedy, generators)]
         noise = exponential_noise(tuple(dist.shape), gens, device, default_generator)
-        final = torch.where(is_greedy, greedy_final, (dist / noise).argmax(dim=-1))
-    else:
-        final = greedy_final
+        final = torch.where(is_greedy, final, (dist / noise).argmax(dim=-1))
 
     out = torch.full((batch, max_k + 1), PLACEHOLDER, dtype=torch.long, device=device)
     if max_k:
-        keep = torch.arange(max_k, device=device)[None, :] < num_accepted[:, None]
+        keep = pos < num_accepted[:, None]
         out[:, :max_k] = torch.where(keep, drafts, out[:, :max_k])
     out.scatter_(1, num_accepted[:, None], final[:, None])
     return out
+
+
+def _recovered_or_bonus(p: torch.Tensor, rejected: torch.Tensor, rejected_draft: torch.Tensor,
+                        q: torch.Tensor | None) -> torch.Tensor:
+    """[B, V] the distribution of each sequence's final token: normalize(max(p - q, 0)) where
+    a draft was `rejected` ([B] bool), p itself (the bonus token) where all were accepted.
+
+    p: [B, V] target probabilities at the final row; rejected_draft: [B, 1] the rejected draft
+    token; q: [B, V] its draft probabilities, or None for one-hot drafts.
+    """
+    if not bool(rejected.any()):
+        return p
+    if q is None:
+        residual = p.scatter(1, rejected_draft, 0.0)  # q one-hot on the draft
+    else:
+        residual = (p - q).clamp_min(0.0)
+    # a zero residual happens only when p == q numerically (rejection has prob. 0)
+    usable = rejected & (residual.sum(dim=-1) > 0)
+    return torch.where(usable[:, None], residual, p)
 
 
 def _uniforms(shape: tuple[int, int], num_draft_tokens: list[int], greedy: list[bool],

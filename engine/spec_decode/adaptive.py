@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
+from typing import Callable, NamedTuple
 
 
 class CostTable:
@@ -53,6 +54,43 @@ class CostTable:
         return max(y0 + (y1 - y0) * (size - x0) / (x1 - x0), 0.0)
 
 
+@dataclass
+class ForwardCost:
+    """Seconds of one forward pass: `table(tokens) + per_seq * (sequences - 1)`.
+
+    A pass over many sequences pays per-sequence attention work that one sequence of as many
+    tokens does not, and verifying drafts adds tokens, not sequences; so the table is kept by
+    tokens (one sequence) and the per-sequence part apart.
+    """
+
+    table: CostTable = field(default_factory=CostTable)
+    per_seq: float = 0.0
+
+    def record(self, tokens: int, seqs: int, seconds: float) -> None:
+        extra = self.per_seq * max(seqs - 1, 0)
+        self.table.record(tokens, max(seconds - extra, 0.1 * seconds))
+
+    def __call__(self, tokens: float, seqs: int = 1) -> float:
+        return self.table(tokens) + self.per_seq * max(seqs - 1, 0)
+
+    def slope(self, tokens: int, extra: int) -> float:
+        """Marginal seconds per token of adding `extra` tokens to a pass of `tokens`."""
+        return max(self.table(tokens + extra) - self.table(tokens), 0.0) / extra
+
+    @property
+    def empty(self) -> bool:
+        return self.table.empty
+
+
+class Plan(NamedTuple):
+    """The best way to run one step: `k` drafts (0: plain) for the sequences in `order`."""
+
+    k: int
+    order: list[int]  # indices of the drafting sequences, most gain per cost first
+    rate: float  # predicted tokens per second of the step
+    target_slope: float  # the target's marginal seconds per verified token
+
+
 def expected_tokens(a: float, k: float) -> float:
     """Tokens emitted by one verification of k drafts at per-position acceptance a."""
     if a >= 1.0:
@@ -76,32 +114,14 @@ class KController:
     k_max: int
     adaptive: bool = True
     draft_cost_free: bool = False  # n-gram: proposing costs (almost) nothing
-    # seconds of a forward = table(tokens) + seq_cost * (sequences - 1): a pass over many
-    # sequences pays per-sequence attention work that one sequence of as many tokens does not
-    target_cost: CostTable = field(default_factory=CostTable)
-    draft_cost: CostTable = field(default_factory=CostTable)
-    target_seq_cost: float = 0.0
-    draft_seq_cost: float = 0.0
+    target_cost: ForwardCost = field(default_factory=ForwardCost)  # one target pass
+    draft_cost: ForwardCost = field(default_factory=ForwardCost)  # one draft forward
     initial_acceptance: float = 0.7  # assumed before any verification
     min_gain: float = 0.03  # speculate only when the predicted rate beats plain by this much
     invest_min_gain: float = 0.10  # ... and catch up a long backlog only for a win this clear
     feedback_decay: float = 0.99  # per verification, for the prior and the realized-gain scale
     _prior_counts: list[float] = field(default_factory=lambda: [0.0, 0.0])
     _gain_sums: list[float] = field(default_factory=lambda: [0.0, 0.0])  # realized, predicted
-
-    def record_target(self, tokens: int, seqs: int, seconds: float) -> None:
-        extra = self.target_seq_cost * max(seqs - 1, 0)
-        self.target_cost.record(tokens, max(seconds - extra, 0.1 * seconds))
-
-    def record_draft(self, tokens: int, seqs: int, seconds: float) -> None:
-        extra = self.draft_seq_cost * max(seqs - 1, 0)
-        self.draft_cost.record(tokens, max(seconds - extra, 0.1 * seconds))
-
-    def target_step(self, tokens: float, seqs: int) -> float:
-        return self.target_cost(tokens) + self.target_seq_cost * max(seqs - 1, 0)
-
-    def draft_step(self, tokens: float, seqs: int) -> float:
-        return self.draft_cost(tokens) + self.draft_seq_cost * max(seqs - 1, 0)
 
     @property
     def prior_acceptance(self) -> float:
@@ -127,16 +147,17 @@ class KController:
         (before the realized-gain scale)."""
         if not num_drafted:
             return
-        self._forget()
+        self.decay_evidence()
         self._prior_counts[0] += num_accepted
         self._prior_counts[1] += num_accepted < num_drafted
         if predicted_accepted is not None:
             self._gain_sums[0] += num_accepted
             self._gain_sums[1] += predicted_accepted
 
-    def _forget(self) -> None:
-        """Decay the evidence: per verification, and per step without drafts, so a prior or
-        gain scale that turned speculation off cannot keep it off forever."""
+    def decay_evidence(self) -> None:
+        """Decay the evidence: per verification, and (called by the speculator) per step
+        without drafts, so a prior or gain scale that turned speculation off cannot keep it off
+        forever."""
         d = self.feedback_decay
         self._prior_counts = [x * d for x in self._prior_counts]
         self._gain_sums = [x * d for x in self._gain_sums]
@@ -145,7 +166,7 @@ class KController:
                backlog: list[int] | None = None,
                remaining: list[int] | None = None, pending: int = 0,
                other_seqs: int = 0) -> list[int]:
-        """k per drafting sequence.
+        """k per drafting sequence. Reads the controller's state, changes nothing.
 
         acceptance: per-position acceptance estimate of each sequence; other_tokens: tokens the
         next target pass computes for other sequences (prompt chunks); backlog: tokens each
@@ -167,62 +188,63 @@ class KController:
             return [0] * n
         if not self.adaptive or self.target_cost.empty:
             return [self.k_max] * n
-        free = self.draft_cost_free
-        backlog = [0] * n if free or backlog is None else backlog
-        remaining = remaining if remaining is not None else [1] * n
-
         scale = self.gain_scale
-        amortized: set[int] = set()
-        if not free:  # which sequences may spread a long catch-up: those that win once caught up
-            steady_acceptance = acceptance + [self.prior_acceptance] * pending
-            _, steady_set, _, _ = self._plan(steady_acceptance, len(steady_acceptance),
-                                             lambda i, gain: gain + 1.0, self.invest_min_gain,
-                                             len(steady_acceptance), scale)
-            amortized = {i for i in steady_set if i < n}
+        charge = self._catch_up_charge(acceptance, backlog, remaining, pending, scale)
+        plan = self._plan(acceptance, other_tokens + n, charge, self.min_gain, n + other_seqs,
+                          scale)
+        # Per sequence: keep draft position j only if its expected gain beats its marginal
+        # verification cost at the chosen rate.
+        threshold = plan.target_slope * plan.rate
+        ks = [0] * n
+        for i in plan.order:
+            a, k = acceptance[i], 0
+            while k < plan.k and scale * a ** (k + 1) > threshold:
+                k += 1
+            ks[i] = k
+        return ks
+
+    def _catch_up_charge(self, acceptance: list[float], backlog: list[int] | None,
+                         remaining: list[int] | None, pending: int,
+                         scale: float) -> Callable[[int, float], float]:
+        """charge(i, gain): draft tokens sequence i's catch-up costs this step, if it drafts
+        and is expected to emit gain + 1 tokens (see `choose`)."""
+        n = len(acceptance)
+        if self.draft_cost_free or backlog is None:
+            return lambda i, gain: 0.0
+        remaining = remaining if remaining is not None else [1] * n
+        # which sequences may spread a long catch-up: those that win once caught up
+        steady_acceptance = acceptance + [self.prior_acceptance] * pending
+        steady = self._plan(steady_acceptance, len(steady_acceptance),
+                            lambda i, gain: gain + 1.0, self.invest_min_gain,
+                            len(steady_acceptance), scale)
+        amortized = {i for i in steady.order if i < n}
 
         def charge(i: int, gain: float) -> float:
-            if free:
-                return 0.0
             emitted = gain + 1.0
             excess = max(backlog[i] - emitted, 0.0)
             share = min(1.0, emitted / max(remaining[i], 1)) if i in amortized else 1.0
             return min(backlog[i], emitted) + excess * share
 
-        best_k, best_order, best_rate, slope_t = self._plan(
-            acceptance, other_tokens + n, charge, self.min_gain, n + other_seqs, scale)
-        ks = [0] * n
-        if best_k == 0:
-            self._forget()
-            return ks
-        # Per sequence: keep draft position j only if its expected gain beats its marginal
-        # verification cost at the chosen rate.
-        threshold = slope_t * best_rate
-        for i in best_order:
-            a, k = acceptance[i], 0
-            while k < best_k and scale * a ** (k + 1) > threshold:
-                k += 1
-            ks[i] = k
-        return ks
+        return charge
 
     def predicted_accepted(self, acceptance: float, k: int) -> float:
         """Accepted tokens the acceptance model expects of k drafts (no realized-gain scale)."""
         return expected_tokens(acceptance, k) - 1.0
 
-    def _plan(self, acceptance: list[float], base: int, charge, margin: float, seqs: int,
-              scale: float) -> tuple[int, list[int], float, float]:
-        """The K (and the sequences that draft) with the most tokens per second for one step,
-        its rate, and the target's marginal seconds per verified token.
+    def _plan(self, acceptance: list[float], base: int,
+              charge: Callable[[int, float], float], margin: float, seqs: int,
+              scale: float) -> Plan:
+        """The K (and the sequences that draft) with the most tokens per second for one step.
 
         base: tokens in the target pass without drafts; charge(i, gain): draft tokens sequence
         i's catch-up costs this step; seqs: sequences in the target pass; scale: the realized
         gain scale. K = 0 unless a plan beats plain decoding by `margin`.
         """
         n = len(acceptance)
-        plain_rate = n / max(self.target_step(base, seqs), 1e-9)
-        best_k, best_order, best_rate = 0, [], plain_rate * (1.0 + margin)
-        slope_t = max(self.target_cost(base + n) - self.target_cost(base), 0.0) / n
-        slope_d = 0.0 if self.draft_cost_free else max(
-            self.draft_cost(2 * n) - self.draft_cost(n), 0.0) / n
+        plain_rate = n / max(self.target_cost(base, seqs), 1e-9)
+        slope_t = self.target_cost.slope(base, n)
+        best = Plan(0, [], plain_rate * (1.0 + margin), slope_t)
+        slope_d = 0.0 if self.draft_cost_free else self.draft_cost.slope(n, n)
         for k in range(1, self.k_max + 1):
             gains = [scale * self.predicted_accepted(a, k) for a in acceptance]
             charges = [charge(i, g) for i, g in enumerate(gains)]
@@ -233,17 +255,17 @@ class KController:
             for m, i in enumerate(order, start=1):
                 tokens += gains[i]
                 catch_up += charges[i]
-                cost = (self.target_step(base + m * k, seqs)
+                cost = (self.target_cost(base + m * k, seqs)
                         + self._draft_steps_cost(catch_up, m, k))
                 rate = tokens / max(cost, 1e-9)
-                if rate > best_rate:
-                    best_k, best_order, best_rate = k, order[:m], rate
-        return best_k, best_order, best_rate, slope_t
+                if rate > best.rate:
+                    best = Plan(k, order[:m], rate, slope_t)
+        return best
 
     def _draft_steps_cost(self, catch_up_tokens: float, batch: int, k: int) -> float:
         """First forward: every drafting sequence's catch-up (at least 1 token each); then
         k - 1 forwards of one token per sequence."""
         if self.draft_cost_free:
             return 0.0
-        return (self.draft_step(max(catch_up_tokens, batch), batch)
-                + (k - 1) * self.draft_step(batch, batch))
+        return (self.draft_cost(max(catch_up_tokens, batch), batch)
+                + (k - 1) * self.draft_cost(batch, batch))

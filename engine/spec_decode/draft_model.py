@@ -18,6 +18,7 @@ draft length then depends on the draft alone, so the verifier stays exact.
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import torch
 
@@ -40,7 +41,7 @@ def check_vocab(draft_vocab: int, target_vocab: int, tokenizer_size: int | None)
 
 
 class DraftModelProposer(Proposer):
-    def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int,
+    def __init__(self, model: torch.nn.Module, *, num_blocks: int, block_size: int,
                  block_manager: BlockManager, target_vocab_size: int,
                  tokenizer_size: int | None = None, seed: int = 0,
                  cpu_matmul_autotune: bool = False, stop_confidence: float = 0.0) -> None:
@@ -52,12 +53,10 @@ class DraftModelProposer(Proposer):
         self.target_vocab_size = target_vocab_size
         self.valid_vocab = min(draft_vocab, target_vocab_size, tokenizer_size or draft_vocab)
         self.device = self.runner.device
-        self.seed = seed
         self.stop_confidence = stop_confidence
+        # unseeded requests draft from the engine seed's stream, apart from the verifier's
         self.generator = torch.Generator(device=self.device).manual_seed(seed + 1)
         self._seq_generators: dict[str, torch.Generator] = {}
-        # (tokens, sequences, seconds) per forward
-        self.last_step_seconds: list[tuple[int, int, float]] = []
 
     def free(self, seq: Sequence) -> None:
         self._seq_generators.pop(seq.request_id, None)
@@ -89,36 +88,24 @@ class DraftModelProposer(Proposer):
         return out
 
     @torch.inference_mode()
-    def propose(self, seqs: list[Sequence], ks: list[int], rows=None) -> Proposal:
-        import time
-
+    def propose(self, seqs: list[Sequence], ks: list[int], rows) -> Proposal:
         ks = [self._reserve(s, k) for s, k in zip(seqs, ks)]
         drafts: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        forward_seconds: list[tuple[int, int, float]] = []
         active = [i for i, k in enumerate(ks) if k > 0]
         # first forward: catch up on committed tokens, then one new token per step
         items = [RunItem(seqs[i].token_ids[seqs[i].num_draft_computed:],
                          seqs[i].num_draft_computed, seqs[i].block_table, 1) for i in active]
-        self.last_step_seconds = []
         step = 0
         while active:
             t0 = time.perf_counter()
-            logits = self._to_target_vocab(self.runner.execute(items).logits)  # [n, V]
-            specs = [dataclasses.replace(rows(i, drafts[i]), generator=self._generator(seqs[i]))
+            row_specs = [dataclasses.replace(rows(i, drafts[i]), generator=self._generator(seqs[i]))
                      for i in active]
-            tensors = sampler.build_sampling_tensors(specs, self.target_vocab_size, self.device)
-            processed = sampler.process_logits(logits, tensors)
-            sampled = sampler.sample(processed, tensors, self.generator)
-            tokens = sampled.tolist()
-            # q matters only to sampled requests; greedy verification compares tokens
-            q = None if tensors.all_greedy else torch.softmax(processed, dim=-1)  # [n, V]
-            confident = [True] * len(active)
-            if self.stop_confidence > 0.0 and any(ks[i] > step + 1 for i in active):
-                chosen = processed.gather(1, sampled[:, None]).squeeze(1)
-                conf = torch.exp(chosen - torch.logsumexp(processed, dim=-1))
-                confident = (conf >= self.stop_confidence).tolist()
+            tokens, q, confident = self._draft_token(items, row_specs,
+                                                     any(ks[i] > step + 1 for i in active))
             num_tokens = sum(len(item.token_ids) for item in items)
-            self.last_step_seconds.append((num_tokens, len(items), time.perf_counter() - t0))
+            forward_seconds.append((num_tokens, len(items), time.perf_counter() - t0))
             step += 1
             for j, i in enumerate(active):
                 drafts[i].append(tokens[j])
@@ -129,4 +116,21 @@ class DraftModelProposer(Proposer):
             items = [RunItem([drafts[i][-1]], seqs[i].num_tokens + step - 1, seqs[i].block_table, 1)
                      for i in active]
         return Proposal(drafts, [torch.stack(p) if len(p) == len(d) and p else None
-                                 for p, d in zip(probs, drafts)])
+                                 for p, d in zip(probs, drafts)], forward_seconds)
+
+    def _draft_token(self, items: list[RunItem], row_specs: list[sampler.RowSpec],
+                     more_wanted: bool) -> tuple[list[int], torch.Tensor | None, list[bool]]:
+        """One draft forward: the next draft token per item, q ([n, V], None when every row is
+        greedy: greedy verification compares tokens) and whether each row may go on drafting
+        (the confidence stop, checked only when `more_wanted`)."""
+        logits = self._to_target_vocab(self.runner.execute(items).logits)  # [n, V]
+        tensors = sampler.build_sampling_tensors(row_specs, self.target_vocab_size, self.device)
+        processed = sampler.process_logits(logits, tensors)
+        sampled = sampler.sample(processed, tensors, self.generator)
+        q = None if tensors.all_greedy else torch.softmax(processed, dim=-1)
+        confident = [True] * len(items)
+        if self.stop_confidence > 0.0 and more_wanted:
+            chosen = processed.gather(1, sampled[:, None]).squeeze(1)
+            conf = torch.exp(chosen - torch.logsumexp(processed, dim=-1))
+            confident = (conf >= self.stop_confidence).tolist()
+        return sampled.tolist(), q, confident

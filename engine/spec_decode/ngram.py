@@ -31,13 +31,12 @@ def ngram_lookup(tokens: list[int] | np.ndarray, k: int, min_n: int, max_n: int)
 
 
 class NgramProposer(Proposer):
-    needs_target_rows = False
-
     def __init__(self, min_n: int = 1, max_n: int = 4) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError("invalid speculative config: need 1 <= ngram_min_n <= ngram_max_n")
         self.min_n, self.max_n = min_n, max_n
 
     def propose(self, seqs: list[Sequence], ks: list[int], rows=None) -> Proposal:
+        """Drafts depend on the tokens alone: `rows` (the sampling settings) is not needed."""
         drafts = [ngram_lookup(s.token_ids, k, self.min_n, self.max_n) for s, k in zip(seqs, ks)]
         return Proposal(drafts, [None] * len(seqs))

@@ -7,10 +7,12 @@ tokens each (k_i, chosen by the engine), and returns the drafts with their proba
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
+from engine.sample.sampler import RowSpec
 from engine.sequence import Sequence
 
 
@@ -19,11 +21,14 @@ class Proposal:
     token_ids: list[list[int]]  # per sequence, at most k_i tokens (fewer when nothing matches)
     probs: list[torch.Tensor | None]  # per sequence [len, V] processed draft probabilities, or
     #                                   None when drafts are deterministic (one-hot q)
+    # (tokens, sequences, seconds) of each model forward it ran, for the cost model
+    forward_seconds: list[tuple[int, int, float]] = field(default_factory=list)
 
 
 class Proposer(ABC):
     @abstractmethod
-    def propose(self, seqs: list[Sequence], ks: list[int], rows=None) -> Proposal:
+    def propose(self, seqs: list[Sequence], ks: list[int],
+                rows: Callable[[int, list[int]], RowSpec]) -> Proposal:
         """Draft k_i tokens after each sequence's committed tokens.
 
         `rows(i, drafts_so_far)` gives the sampler's RowSpec for sequence i at the position
