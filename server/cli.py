@@ -28,8 +28,8 @@ def _models_list(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from server.app import serve
     from server.config import load_config
+    from server.serve import serve
 
     server = {k: v for k, v in {
         "host": args.host, "port": args.port, "api_keys": args.api_key or None,

@@ -1,4 +1,5 @@
-"""Pure ASGI middleware: request id, API-key auth, body size limit.
+"""Pure ASGI middleware: request id with access log and HTTP metrics, API-key auth, body size
+limit.
 
 Pure ASGI (not Starlette's BaseHTTPMiddleware, which breaks disconnect detection for streams):
 each wraps `send`/`receive` and passes everything else through untouched.
@@ -11,10 +12,14 @@ import json
 import logging
 import time
 import uuid
+from typing import TYPE_CHECKING
 
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.errors import error_body
+
+if TYPE_CHECKING:
+    from server.metrics import Metrics
 
 log = logging.getLogger("specserve.access")
 OPEN_PATHS = ("/health", "/ready", "/metrics", "/docs", "/openapi.json", "/redoc")
@@ -35,18 +40,24 @@ def _header(scope, name: bytes) -> str | None:
     return None
 
 
-class RequestIdMiddleware:
-    """Echo X-Request-Id (or make one); put it in the scope, the response and the access log."""
+class AccessMiddleware:
+    """Request id, access log and HTTP metrics, from one look at each response's status.
 
-    def __init__(self, app) -> None:
-        self.app = app
+    Echoes X-Request-Id (or makes one) in the response and the access log; only the log reads
+    it (engine request ids never come from a client). The outermost layer, so it also sees the
+    401s and 413s of the layers inside."""
+
+    METRIC_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models",
+                               "/health", "/ready", "/metrics"})
+
+    def __init__(self, app, metrics: Metrics) -> None:
+        self.app, self.metrics = app, metrics
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         incoming = _header(scope, b"x-request-id")
         request_id = incoming if incoming and len(incoming) <= 128 else uuid.uuid4().hex
-        scope.setdefault("state", {})["request_id"] = request_id
         started, status = time.perf_counter(), [0]
 
         async def send_with_id(message):
@@ -60,8 +71,14 @@ class RequestIdMiddleware:
         try:
             await self.app(scope, receive, send_with_id)
         finally:
-            log.info("%s %s %s %d %.1fms", request_id, scope["method"], scope["path"], status[0],
-                     (time.perf_counter() - started) * 1e3)
+            self._record(scope["method"], scope["path"], request_id, status[0],
+                         time.perf_counter() - started)
+
+    def _record(self, method: str, path: str, request_id: str, status: int,
+                latency_s: float) -> None:
+        log.info("%s %s %s %d %.1fms", request_id, method, path, status, latency_s * 1e3)
+        route = path if path in self.METRIC_ROUTES else "other"
+        self.metrics.observe_http(route, status or 499)  # none sent: the client left (nginx's 499)
 
 
 class AuthMiddleware:

@@ -17,8 +17,9 @@ DEPLOY = ROOT / "deploy"
 
 @pytest.fixture(scope="module")
 def routes():
-    from server.app import ServerState, create_app
+    from server.app import create_app
     from server.config import AppConfig
+    from server.state import ServerState
 
     app = create_app(ServerState(AppConfig()))
     return {r.path for r in app.routes}

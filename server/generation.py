@@ -1,0 +1,230 @@
+"""The one generation flow of both OpenAI endpoints: admit, validate, submit, then stream or
+answer once every choice is done.
+
+Chat and completions differ only in how a request is validated (server.validation) and how the
+output is rendered (server.renderers); everything between, from one engine request per choice to
+the last SSE event, is here. Must not touch a `Sequence`: it talks to the engine through
+`EngineClient` only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from sse_starlette import EventSourceResponse
+
+from engine import SamplingParams
+from server import errors
+from server.detokenizer import IncrementalDetokenizer, StopChecker
+from server.errors import APIError
+from server.protocol import new_id
+from server.renderers import Renderer, usage
+from server.state import ServerState
+from server.validation import check_accepting, check_model
+
+log = logging.getLogger("specserve.server")
+
+Prepare = Callable[[ServerState, object], tuple[list[int], list[SamplingParams]]]
+
+
+async def respond(state: ServerState, request: Request, req, prepare: Prepare,
+                  renderer_cls: type[Renderer]) -> Response:
+    """Both endpoints' flow: `prepare` gives prompt ids and sampling params, `renderer_cls`
+    (with a `for_request` constructor) the output format."""
+    check_accepting(state)
+    check_model(state, req.model)
+    prompt_ids, params = prepare(state, req)
+    renderer = renderer_cls.for_request(state.tokenizer, req)
+    gen = Generation.submit(state, renderer, req, prompt_ids, params)
+    if req.stream:
+        return stream_response(gen.events())
+    return await run_until_done_or_disconnect(request, gen.response())
+
+
+@dataclass
+class ChoiceState:
+    """One choice's text so far: detokenizer, stop strings, logprobs, finish."""
+
+    index: int
+    detok: IncrementalDetokenizer
+    stops: StopChecker
+    num_tokens: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    finish_reason: str | None = None
+    text: str = ""
+    entries: list = field(default_factory=list)  # (token id, logprobs) of every token
+
+    def advance(self, out) -> tuple[str, list]:
+        """Feed one engine output; returns (released text, logprob entries of new tokens)."""
+        if out.finished and out.finish_reason == "abort":
+            raise APIError(503, "the request was aborted: the server is shutting down", None,
+                           "aborted")
+        self.num_tokens = len(out.output_token_ids)
+        self.drafted, self.accepted = out.num_drafted_tokens, out.num_accepted_tokens
+        delta = self.detok.add(out.new_token_ids)
+        if out.finished:
+            delta += self.detok.flush()
+        released = self.stops.feed(delta, final=out.finished)
+        if self.stops.stopped:
+            self.finish_reason = "stop"
+        elif out.finished:
+            self.finish_reason = out.finish_reason
+        self.text += released
+        entries = []
+        if out.logprobs is not None and out.new_token_ids:
+            entries = out.logprobs[len(out.output_token_ids) - len(out.new_token_ids):]
+            entries = [(tok, lp) for tok, lp in zip(out.new_token_ids, entries)]
+            self.entries += entries
+        return released, entries
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class Generation:
+    """One request in flight: what every step of the flow needs, together."""
+
+    state: ServerState
+    renderer: Renderer
+    prompt_ids: list[int]
+    choices: list[ChoiceState]
+    streams: list  # one RequestStream per choice
+    completion_id: str
+    include_usage: bool  # streamed: a last chunk with the usage
+
+    @classmethod
+    def submit(cls, state: ServerState, renderer: Renderer, req, prompt_ids: list[int],
+               params: list[SamplingParams]) -> Generation:
+        """Queue one engine request per choice, now (so the queue-length check sees them)."""
+        # never the client's X-Request-Id: two requests sending the same one must not collide
+        completion_id = new_id(renderer.id_prefix)
+        streams = [state.client.submit(f"{completion_id}-{i}", prompt_ids, p)
+                   for i, p in enumerate(params)]
+        choices = [ChoiceState(i, IncrementalDetokenizer(state.tokenizer), StopChecker(req.stop))
+                   for i in range(req.n)]
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return cls(state, renderer, prompt_ids, choices, streams, completion_id, include_usage)
+
+    async def outputs(self) -> AsyncIterator[tuple[ChoiceState, str, list]]:
+        """(choice, released text, new logprob entries) per engine output, until all are done."""
+        async for i, out in merged(self.streams):
+            choice = self.choices[i]
+            if choice.done:
+                continue
+            text, entries = choice.advance(out)
+            if choice.done and not out.finished:
+                self.streams[i].close()  # a stop string ended it: abort
+            yield choice, text, entries
+            if all(c.done for c in self.choices):
+                break
+
+    async def events(self) -> AsyncIterator[dict]:
+        """The SSE events: the renderer's chunks, the usage if asked for, [DONE]; a failure
+        becomes an error event (the status line is long gone)."""
+        try:
+            for choice_body in self.renderer.opening(self.choices):
+                yield self._chunk([choice_body])
+            async for choice, text, entries in self.outputs():
+                for choice_body in self.renderer.stream_choices(choice, text, entries):
+                    yield self._chunk([choice_body])
+            if self.include_usage:
+                yield self._chunk([], self._usage())
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            yield error_event(exc)
+        yield {"data": "[DONE]"}
+
+    async def response(self) -> JSONResponse:
+        """The non-streamed answer, once every choice is done."""
+        async for _ in self.outputs():
+            pass
+        return JSONResponse(self.renderer.body(self.completion_id, self.state.model_name,
+                                               self.choices, self._usage()))
+
+    def _chunk(self, choices: list[dict], usage_body: dict | None = None) -> dict:
+        extra = {"usage": usage_body} if self.include_usage else {}
+        body = self.renderer.chunk(self.completion_id, self.state.model_name, choices, **extra)
+        return {"data": json.dumps(body)}
+
+    def _usage(self) -> dict:
+        return usage(len(self.prompt_ids), self.choices)
+
+
+async def merged(streams: list) -> AsyncIterator[tuple[int, object]]:
+    """(choice index, engine output) from all choices as they come; aborts all on exit."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i, stream):
+        try:
+            async for out in stream:
+                queue.put_nowait((i, out))
+        except Exception as exc:
+            queue.put_nowait((i, exc))
+        finally:
+            stream.close()
+            queue.put_nowait((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    open_choices = len(tasks)
+    try:
+        while open_choices:
+            i, item = await queue.get()
+            if item is None:
+                open_choices -= 1
+                continue
+            if isinstance(item, Exception):
+                raise item
+            yield i, item
+    finally:  # closing a stream before its end aborts its engine request
+        for task in tasks:
+            task.cancel()
+        for stream in streams:
+            stream.close()
+
+
+async def _disconnected(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def run_until_done_or_disconnect(request: Request, coro):
+    """Await `coro`, but cancel it (aborting its engine requests) if the client leaves."""
+    work = asyncio.ensure_future(coro)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    if work in done:
+        watcher.cancel()
+        return work.result()
+    work.cancel()
+    try:
+        await work
+    except (asyncio.CancelledError, Exception):
+        pass
+    return Response(status_code=499)
+
+
+def stream_response(events: AsyncIterator[dict]) -> EventSourceResponse:
+    return EventSourceResponse(events, ping=15, headers={"Cache-Control": "no-cache",
+                                                         "X-Accel-Buffering": "no"})
+
+
+def error_event(exc: Exception) -> dict:
+    if isinstance(exc, APIError):
+        body = errors.error_body(exc.status, exc.message, exc.param, exc.code)
+    else:
+        log.error("error in a stream: %s", exc)
+        body = errors.error_body(500, "the request failed while generating", None,
+                                 "generation_failed")
+    return {"data": json.dumps(body)}

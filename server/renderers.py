@@ -1,0 +1,136 @@
+"""OpenAI response bodies, one renderer per endpoint: chat completions and (text) completions.
+
+A renderer says what differs between the endpoints' output: the choices of the streamed chunks,
+the logprobs format and the choices of the final body; the envelope (id, object, created, model)
+and usage are shared. The generation flow (server.generation) is the same for both. Must not
+touch the engine nor the event loop: it formats what it is given.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from server.protocol import ChatCompletionRequest, CompletionRequest, now
+
+if TYPE_CHECKING:
+    from server.generation import ChoiceState
+
+
+def envelope(object_: str, completion_id: str, model: str, choices: list[dict],
+             **extra) -> dict:
+    """What every body and every chunk of both endpoints starts with."""
+    return {"id": completion_id, "object": object_, "created": now(), "model": model,
+            "system_fingerprint": None, "choices": choices, **extra}
+
+
+def usage(prompt_len: int, choices: list[ChoiceState]) -> dict:
+    completion = sum(c.num_tokens for c in choices)
+    body = {"prompt_tokens": prompt_len, "completion_tokens": completion,
+            "total_tokens": prompt_len + completion}
+    drafted = sum(c.drafted for c in choices)
+    if drafted:
+        body["speculative"] = {"drafted_tokens": drafted,
+                               "accepted_tokens": sum(c.accepted for c in choices)}
+    return body
+
+
+class Renderer:
+    """One endpoint's output format. Entries are (token id, (logprob, [(id, logprob), ...]))."""
+
+    id_prefix = ""  # of the completion id
+    object = ""  # of the non-streamed body
+    chunk_object = ""  # of each streamed chunk
+
+    def __init__(self, tokenizer, with_logprobs: bool) -> None:
+        self.tokenizer, self.with_logprobs = tokenizer, with_logprobs
+
+    def opening(self, choices: list[ChoiceState]) -> list[dict]:
+        """Choices sent before any token, one chunk each."""
+        return []
+
+    def stream_choices(self, choice: ChoiceState, text: str, entries: list) -> list[dict]:
+        """Choices for one engine output of `choice` (its released text and new tokens' logprob
+        entries), one chunk each."""
+        raise NotImplementedError
+
+    def final_choice(self, choice: ChoiceState) -> dict:
+        raise NotImplementedError
+
+    def body(self, completion_id: str, model: str, choices: list[ChoiceState],
+             usage_body: dict) -> dict:
+        return envelope(self.object, completion_id, model,
+                        [self.final_choice(c) for c in choices], usage=usage_body)
+
+    def chunk(self, completion_id: str, model: str, choices: list[dict], **extra) -> dict:
+        return envelope(self.chunk_object, completion_id, model, choices, **extra)
+
+
+class ChatRenderer(Renderer):
+    id_prefix, object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
+
+    @classmethod
+    def for_request(cls, tokenizer, req: ChatCompletionRequest) -> ChatRenderer:
+        return cls(tokenizer, req.logprobs)
+
+    def opening(self, choices: list[ChoiceState]) -> list[dict]:  # the role, once, first
+        return [{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                 "logprobs": None, "finish_reason": None} for c in choices]
+
+    def stream_choices(self, choice: ChoiceState, text: str, entries: list) -> list[dict]:
+        out = []
+        if text or entries:
+            out.append({"index": choice.index, "delta": {"content": text},
+                        "logprobs": self.logprobs(entries), "finish_reason": None})
+        if choice.done:  # the finish reason comes in a chunk of its own, with an empty delta
+            out.append({"index": choice.index, "delta": {}, "logprobs": None,
+                        "finish_reason": choice.finish_reason})
+        return out
+
+    def final_choice(self, choice: ChoiceState) -> dict:
+        return {"index": choice.index, "message": {"role": "assistant", "content": choice.text},
+                "logprobs": self.logprobs(choice.entries), "finish_reason": choice.finish_reason}
+
+    def logprobs(self, entries: list) -> dict | None:
+        if not self.with_logprobs:
+            return None
+        return {"content": [{**self._token(tok, chosen),
+                             "top_logprobs": [self._token(t, lp) for t, lp in top]}
+                            for tok, (chosen, top) in entries]}
+
+    def _token(self, token_id: int, logprob: float) -> dict:
+        text = self.tokenizer.decode([token_id])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+class CompletionRenderer(Renderer):
+    id_prefix, object, chunk_object = "cmpl", "text_completion", "text_completion"
+
+    @classmethod
+    def for_request(cls, tokenizer, req: CompletionRequest) -> CompletionRenderer:
+        return cls(tokenizer, req.logprobs is not None)
+
+    def stream_choices(self, choice: ChoiceState, text: str, entries: list) -> list[dict]:
+        if not (text or choice.done):
+            return []
+        offset = len(choice.text) - len(text)  # where this text starts in the choice's text
+        return [{"index": choice.index, "text": text, "logprobs": self.logprobs(entries, offset),
+                 "finish_reason": choice.finish_reason}]
+
+    def final_choice(self, choice: ChoiceState) -> dict:
+        return {"index": choice.index, "text": choice.text,
+                "logprobs": self.logprobs(choice.entries, 0),
+                "finish_reason": choice.finish_reason}
+
+    def logprobs(self, entries: list, text_offset: int) -> dict | None:
+        if not self.with_logprobs:
+            return None
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for tok, (chosen, top) in entries:
+            text = self.tokenizer.decode([tok])
+            tokens.append(text)
+            token_lps.append(chosen)
+            tops.append({self.tokenizer.decode([t]): lp for t, lp in top})
+            offsets.append(text_offset)
+            text_offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+                "text_offset": offsets}

@@ -1,0 +1,67 @@
+"""Running the app: uvicorn, and a drain on SIGTERM/SIGINT before exiting 0.
+
+Must not touch the routes nor the engine beyond EngineClient's counters and abort.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import uvicorn
+
+from engine import LLMEngine
+from server.app import create_app
+from server.config import AppConfig
+from server.state import ServerState
+
+log = logging.getLogger("specserve.server")
+
+
+def serve(config: AppConfig, engine: LLMEngine | None = None) -> None:
+    """Serve until SIGTERM/SIGINT; then drain (finish in-flight up to drain_timeout_s), exit 0."""
+    logging.basicConfig(level=config.server.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    state = ServerState(config)
+    app = create_app(state, engine)
+    uv_config = uvicorn.Config(app, host=config.server.host, port=config.server.port,
+                               log_level=config.server.log_level, access_log=False,
+                               timeout_graceful_shutdown=5)
+    DrainingServer(uv_config, state).run()
+
+
+class DrainingServer(uvicorn.Server):
+    """On the first SIGTERM/SIGINT: stop accepting (503, /ready false), let in-flight requests
+    finish for up to drain_timeout_s, abort the rest, then shut down and exit 0.
+
+    It replaces uvicorn's own handler, which would shut down at once (and make sse-starlette
+    cancel every open stream)."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.state = state
+        self._drain_task: asyncio.Task | None = None
+
+    def handle_exit(self, sig, frame) -> None:  # a signal handler, in the main thread
+        if self.state.draining:  # a second signal: stop now
+            self.should_exit = True
+            return
+        self.state.draining = True
+        log.info("signal %s: draining for up to %.0fs", sig,
+                 self.state.config.server.drain_timeout_s)
+        self._drain_task = asyncio.get_event_loop().create_task(self._drain())
+
+    async def _drain(self) -> None:
+        client = self.state.client
+        deadline = time.monotonic() + self.state.config.server.drain_timeout_s
+        while client is not None and client.num_in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if client is not None and client.num_in_flight:
+            log.warning("drain timeout: aborting %d request(s)", client.num_in_flight)
+            client.abort_all()
+            for _ in range(100):  # let their responses send the final events
+                if not client.num_in_flight:
+                    break
+                await asyncio.sleep(0.02)
+        self.should_exit = True

@@ -1,0 +1,125 @@
+"""Request validation: a parsed request becomes prompt ids and SamplingParams, or an APIError.
+
+Admission (draining, loading, queue), the model name, the prompt (chat template, completion
+prompt shapes, context length) and the sampling fields, each a 400 naming the field. Must not
+touch a `Sequence` nor submit anything.
+"""
+
+from __future__ import annotations
+
+from engine import SamplingParams
+from server import errors
+from server.errors import APIError
+from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.state import ServerState
+
+
+def check_accepting(state: ServerState) -> None:
+    retry = {"Retry-After": str(state.config.server.retry_after_s)}
+    if state.draining:
+        raise APIError(503, "the server is shutting down", None, "draining", retry)
+    if state.client is None or not state.client.alive:
+        message = "the model is still loading" if state.load_error is None else "engine failed"
+        raise APIError(503, message, None, "not_ready", retry)
+    client = state.client
+    queued = client.num_in_flight - client.num_running
+    if queued >= state.config.server.max_waiting_requests:
+        raise APIError(429, "too many requests are waiting; retry later", None,
+                       "queue_full", retry)
+
+
+def check_model(state: ServerState, model: str) -> None:
+    if model != state.model_name:
+        raise APIError(404, f"the model {model!r} does not exist; this server serves "
+                            f"{state.model_name!r}", "model", "model_not_found")
+
+
+# -- per endpoint: (prompt ids, one SamplingParams per choice) --------------------------------
+
+def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> tuple[list[int], list]:
+    prompt_ids = chat_prompt_ids(state, req)
+    num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    max_tokens = req.max_completion_tokens or req.max_tokens
+    return prompt_ids, sampling_params(state, req, prompt_ids, max_tokens, num_logprobs,
+                                       prompt_field="messages")
+
+
+def prepare_completion(state: ServerState, req: CompletionRequest) -> tuple[list[int], list]:
+    prompt_ids = completion_prompt_ids(state, req)
+    return prompt_ids, sampling_params(state, req, prompt_ids, req.max_tokens or 16,
+                                       req.logprobs, prompt_field="prompt")
+
+
+def chat_prompt_ids(state: ServerState, req: ChatCompletionRequest) -> list[int]:
+    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                for m in req.messages]
+    tok = state.tokenizer
+    if not getattr(tok, "chat_template", None):
+        raise APIError(400, "this model has no chat template; use /v1/completions",
+                       "messages", "no_chat_template")
+    try:
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                      return_dict=False)
+    except Exception as exc:  # a template may reject a message order
+        raise APIError(400, f"the chat template rejected the messages: {exc}", "messages",
+                       "invalid_messages") from None
+    return list(ids)
+
+
+def completion_prompt_ids(state: ServerState, req: CompletionRequest) -> list[int]:
+    prompt = req.prompt
+    if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        ids = state.tokenizer.encode(prompt, add_special_tokens=False)
+        if not ids:
+            raise APIError(400, "the prompt is empty", "prompt", "invalid_value")
+        return ids
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        vocab = state.engine.vocab_size
+        if any(not 0 <= t < vocab for t in prompt):
+            raise APIError(400, f"prompt token ids must be in [0, {vocab})", "prompt",
+                           "invalid_value")
+        return prompt
+    raise APIError(400, "batched prompts are not supported; send one prompt per request",
+                   "prompt", "invalid_value")
+
+
+# -- shared ----------------------------------------------------------------------------------
+
+def sampling_params(state: ServerState, req, prompt_ids: list[int], max_tokens: int | None,
+                    num_logprobs: int | None, prompt_field: str) -> list[SamplingParams]:
+    """One SamplingParams per choice; a 400 naming the field for anything out of range.
+
+    `prompt_field` is the endpoint's name for the prompt."""
+    prompt_len, context = len(prompt_ids), state.engine.max_model_len
+    if prompt_len >= context:
+        raise APIError(400, f"the prompt has {prompt_len} tokens, but the context length is "
+                            f"{context}", prompt_field, "context_length_exceeded")
+    room = context - prompt_len
+    if max_tokens is not None and max_tokens > room:
+        raise APIError(400, f"max_tokens is {max_tokens}, but only {room} tokens fit after the "
+                            f"{prompt_len}-token prompt (context {context})", "max_tokens",
+                       "context_length_exceeded")
+    if req.n > state.config.server.max_n:
+        raise APIError(400, f"n must be at most {state.config.server.max_n}", "n", "invalid_value")
+    vocab = state.engine.vocab_size
+    if req.logit_bias and max(req.logit_bias) >= vocab:
+        raise APIError(400, f"logit_bias token ids must be below {vocab}", "logit_bias",
+                       "invalid_value")
+    try:
+        return [_choice_params(req, i, max_tokens or room, num_logprobs) for i in range(req.n)]
+    except ValueError as exc:
+        raise APIError(400, str(exc), errors.param_from_value_error(exc),
+                       "invalid_value") from None
+
+
+def _choice_params(req, index: int, max_tokens: int,
+                   num_logprobs: int | None) -> SamplingParams:
+    seed = None if req.seed is None else (req.seed + index) % (2 ** 63)
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+        min_p=req.min_p, presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
+        logit_bias=req.logit_bias, seed=seed, logprobs=num_logprobs, ignore_eos=req.ignore_eos,
+        speculative=req.speculative is not False)
