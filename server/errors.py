@@ -42,12 +42,6 @@ def error_response(status: int, message: str, param: str | None = None, code: st
                         headers=headers)
 
 
-def param_from_value_error(exc: ValueError) -> str | None:
-    """Engine ValueErrors name the field: 'invalid sampling parameter top_p: ...'."""
-    m = re.match(r"invalid (?:sampling parameter |speculative config )?(\w+)", str(exc))
-    return m.group(1) if m else None
-
-
 def _validation_param(errors: list[dict]) -> str | None:
     if not errors:
         return None

@@ -1,14 +1,15 @@
 """Request validation: a parsed request becomes prompt ids and SamplingParams, or an APIError.
 
-Admission (draining, loading, queue), the model name, the prompt (chat template, completion
-prompt shapes, context length) and the sampling fields, each a 400 naming the field. Must not
-touch a `Sequence` nor submit anything.
+The engine is the one judge of what it can run: `SamplingParams` checks ranges and
+`LLMEngine.validate` the vocabulary, the context and max_tokens' room; both raise
+`InvalidRequestError` naming the field, which becomes a 400 naming the endpoint's field. What only
+the server knows stays here: admission (draining, loading, queue), the model name, n, the chat
+template and the completion prompt's shapes. Must not touch a `Sequence` nor submit anything.
 """
 
 from __future__ import annotations
 
-from engine import SamplingParams
-from server import errors
+from engine import InvalidRequestError, SamplingParams
 from server.errors import APIError
 from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.state import ServerState
@@ -67,6 +68,7 @@ def chat_prompt_ids(state: ServerState, req: ChatCompletionRequest) -> list[int]
 
 
 def completion_prompt_ids(state: ServerState, req: CompletionRequest) -> list[int]:
+    """Text or token ids; token ids are checked against the vocabulary by the engine."""
     prompt = req.prompt
     if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
         prompt = prompt[0]  # a batch of one
@@ -76,10 +78,6 @@ def completion_prompt_ids(state: ServerState, req: CompletionRequest) -> list[in
             raise APIError(400, "the prompt is empty", "prompt", "invalid_value")
         return ids
     if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-        vocab = state.engine.vocab_size
-        if any(not 0 <= t < vocab for t in prompt):
-            raise APIError(400, f"prompt token ids must be in [0, {vocab})", "prompt",
-                           "invalid_value")
         return prompt
     raise APIError(400, "batched prompts are not supported; send one prompt per request",
                    "prompt", "invalid_value")
@@ -89,29 +87,23 @@ def completion_prompt_ids(state: ServerState, req: CompletionRequest) -> list[in
 
 def sampling_params(state: ServerState, req, prompt_ids: list[int], max_tokens: int | None,
                     num_logprobs: int | None, prompt_field: str) -> list[SamplingParams]:
-    """One SamplingParams per choice; a 400 naming the field for anything out of range.
+    """One SamplingParams per choice, checked once by the engine; a 400 naming the field.
 
-    `prompt_field` is the endpoint's name for the prompt."""
-    prompt_len, context = len(prompt_ids), state.engine.max_model_len
-    if prompt_len >= context:
-        raise APIError(400, f"the prompt has {prompt_len} tokens, but the context length is "
-                            f"{context}", prompt_field, "context_length_exceeded")
-    room = context - prompt_len
-    if max_tokens is not None and max_tokens > room:
-        raise APIError(400, f"max_tokens is {max_tokens}, but only {room} tokens fit after the "
-                            f"{prompt_len}-token prompt (context {context})", "max_tokens",
-                       "context_length_exceeded")
-    if req.n > state.config.server.max_n:
-        raise APIError(400, f"n must be at most {state.config.server.max_n}", "n", "invalid_value")
-    vocab = state.engine.vocab_size
-    if req.logit_bias and max(req.logit_bias) >= vocab:
-        raise APIError(400, f"logit_bias token ids must be below {vocab}", "logit_bias",
-                       "invalid_value")
+    `prompt_field` is the endpoint's name for what the engine calls the prompt."""
+    max_n = state.config.server.max_n
+    if req.n > max_n:  # before building n of them
+        raise APIError(400, f"n must be at most {max_n}", "n", "invalid_value")
+    # without max_tokens a choice may fill the context; at least 1, so that a prompt too long
+    # for the context is what the engine reports
+    room = max(1, state.engine.max_model_len - len(prompt_ids))
     try:
-        return [_choice_params(req, i, max_tokens or room, num_logprobs) for i in range(req.n)]
-    except ValueError as exc:
-        raise APIError(400, str(exc), errors.param_from_value_error(exc),
-                       "invalid_value") from None
+        params = [_choice_params(req, i, max_tokens or room, num_logprobs)
+                  for i in range(req.n)]
+        state.engine.validate(prompt_ids, params[0])  # the choices differ only in their seed
+    except InvalidRequestError as exc:
+        param = prompt_field if exc.param == "prompt" else exc.param
+        raise APIError(400, exc.message, param, exc.code) from None
+    return params
 
 
 def _choice_params(req, index: int, max_tokens: int,

@@ -219,6 +219,27 @@ def test_bad_input_gets_openai_error(server, name, body, headers, status, param)
         assert err["param"] == param
 
 
+ENGINE_REFUSALS = [
+    # (path, body, param, code): the engine's InvalidRequestError, its "prompt" renamed
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "fox " * 5000}]},
+     "messages", "context_length_exceeded"),
+    ("/v1/completions", {"prompt": "fox " * 5000}, "prompt", "context_length_exceeded"),
+    ("/v1/completions", {"prompt": [1, 2, 99999]}, "prompt", "invalid_value"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 10**6}, "max_tokens",
+     "context_length_exceeded"),
+    ("/v1/chat/completions", {"messages": HELLO, "logit_bias": {"99999": 1}}, "logit_bias",
+     "invalid_value"),
+]
+
+
+@pytest.mark.parametrize("path, body, param, code", ENGINE_REFUSALS)
+def test_engine_refusals_name_the_endpoint_field(server, path, body, param, code):
+    r = httpx.post(server.url + path, json={"model": MODEL, **body}, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["param"], err["code"], err["type"]) == (param, code, "invalid_request_error")
+
+
 def test_unknown_route_and_method_are_openai_errors(server):
     r = httpx.get(server.url + "/v1/nothing")
     assert r.status_code == 404 and "error" in r.json()
