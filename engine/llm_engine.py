@@ -64,9 +64,10 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         if model is None:
-            model, tokenizer = load_model(config.model, config.dtype, config.device,
-                                          config.gguf_file, config.tokenizer,
-                                          config.model_cache_dir)
+            model, tokenizer = load_model(
+                config.model, dtype=config.dtype, device=config.device,
+                gguf_file=config.gguf_file, tokenizer=config.tokenizer,
+                cache_dir=config.model_cache_dir)
         self.tokenizer = tokenizer
         draft_model = self._draft_model(model, draft_model)
         models = [model] + ([draft_model] if draft_model is not None else [])
@@ -78,8 +79,8 @@ class LLMEngine:
                                           config.enable_prefix_caching)
         self.max_model_len = self._max_model_len(model, num_blocks)
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs,
-                            self.max_model_len),
+            SchedulerConfig(max_num_batched_tokens=config.max_num_batched_tokens,
+                            max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len),
             self.block_manager, self._eos_token_ids(model, tokenizer))
         self.device = self.runner.device
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
@@ -217,8 +218,8 @@ class LLMEngine:
         emitted = self._verify(owners, step_logits.logits)
         self.speculator.observe(out.num_batched_tokens, len(out.scheduled),
                                 time.perf_counter() - started,
-                                [(o.seq, len(o.drafts), len(e) - 1)
-                                 for o, e in zip(owners, emitted)])
+                                ((o.seq, len(o.drafts), len(e) - 1)
+                                 for o, e in zip(owners, emitted)))
         changed = self._update(out, owners, emitted,
                                self._logprobs(owners, emitted, step_logits.logits))
         self.speculator.propose(self.scheduler.running, self._num_joining(), self._row_spec)

@@ -19,8 +19,8 @@ def load_draft(config: SpeculativeConfig, target: torch.nn.Module, target_dtype:
                cache_dir: str | None = None) -> torch.nn.Module:
     """The draft model named by `config`, on the target's device (in its dtype by default)."""
     device = str(next(target.parameters()).device)
-    draft, _ = load_model(config.draft_model, config.draft_dtype or target_dtype, device,
-                          config.draft_gguf_file, None, cache_dir)
+    draft, _ = load_model(config.draft_model, dtype=config.draft_dtype or target_dtype,
+                          device=device, gguf_file=config.draft_gguf_file, cache_dir=cache_dir)
     return draft
 
 

@@ -39,6 +39,11 @@ def rejection_sample(
     generators: list[torch.Generator | None],  # [B] a sequence's own generator, if seeded
     default_generator: torch.Generator | None = None,
 ) -> torch.Tensor:  # [B, max_k + 1] long: emitted tokens, padded with PLACEHOLDER
+    """Verify every sequence's drafts at once (terms in the module docstring).
+
+    Longer than most functions on purpose: acceptance, then the final token, then the output,
+    read top to bottom like the algorithm, over the same index tensors.
+    """
     device = target_probs.device
     batch, max_k = len(num_draft_tokens), max(num_draft_tokens, default=0)
     k = torch.tensor(num_draft_tokens, device=device)  # [B]

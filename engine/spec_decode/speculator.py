@@ -10,7 +10,7 @@ step's tokens.
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 
@@ -43,7 +43,7 @@ class NoSpeculation:
         return None
 
     def observe(self, target_tokens: int, target_seqs: int, seconds: float,
-                verified: list[tuple[Sequence, int, int]]) -> None:
+                verified: Iterable[tuple[Sequence, int, int]]) -> None:
         pass
 
     def propose(self, running: list[Sequence], num_joining: int, row_spec: RowSpecFn) -> None:
@@ -139,7 +139,7 @@ class Speculator(NoSpeculation):
         return None if q is None else q[:k]
 
     def observe(self, target_tokens: int, target_seqs: int, seconds: float,
-                verified: list[tuple[Sequence, int, int]]) -> None:
+                verified: Iterable[tuple[Sequence, int, int]]) -> None:
         """One target pass (its cost includes verifying its drafts) and, per sequence,
         (seq, drafts verified, drafts accepted)."""
         self.controller.target_cost.record(target_tokens, target_seqs, seconds)
