@@ -1,1 +1,1 @@
-"""specserve front end: command line (and, later, the OpenAI-compatible HTTP server)."""
+"""specserve front end: the OpenAI-compatible HTTP server and the `specserve` command line."""

@@ -45,10 +45,12 @@ class AccessMiddleware:
 
     Echoes X-Request-Id (or makes one) in the response and the access log; only the log reads
     it (engine request ids never come from a client). The outermost layer, so it also sees the
-    401s and 413s of the layers inside."""
+    401s and 413s of the layers inside. Probes and scrapes are logged at DEBUG: a probe every
+    few seconds would bury the requests at INFO."""
 
     METRIC_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models",
                                "/health", "/ready", "/metrics"})
+    QUIET_PATHS = frozenset({"/health", "/ready", "/metrics"})
 
     def __init__(self, app, metrics: Metrics) -> None:
         self.app, self.metrics = app, metrics
@@ -76,7 +78,8 @@ class AccessMiddleware:
 
     def _record(self, method: str, path: str, request_id: str, status: int,
                 latency_s: float) -> None:
-        log.info("%s %s %s %d %.1fms", request_id, method, path, status, latency_s * 1e3)
+        level = logging.DEBUG if path in self.QUIET_PATHS else logging.INFO
+        log.log(level, "%s %s %s %d %.1fms", request_id, method, path, status, latency_s * 1e3)
         route = path if path in self.METRIC_ROUTES else "other"
         self.metrics.observe_http(route, status or 499)  # none sent: the client left (nginx's 499)
 

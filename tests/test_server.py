@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 
 import httpx
@@ -271,6 +272,24 @@ def test_request_id_echo(server):
     assert r.headers["x-request-id"] == "abc-123"
     r = httpx.get(server.url + "/v1/models")
     assert len(r.headers["x-request-id"]) == 32
+
+
+def test_probes_are_logged_at_debug(caplog):
+    """A probe every few seconds must not bury the requests in the access log at INFO."""
+    from fastapi.testclient import TestClient
+
+    from server.app import create_app
+    from server.config import AppConfig
+    from server.state import ServerState
+
+    http = TestClient(create_app(ServerState(AppConfig())))  # no lifespan: nothing is loaded
+    with caplog.at_level(logging.DEBUG, logger="specserve.access"):
+        for path in ("/health", "/ready", "/metrics", "/v1/models"):
+            http.get(path)
+    levels = {r.getMessage().split()[2]: r.levelno for r in caplog.records
+              if r.name == "specserve.access"}
+    assert levels == {"/health": logging.DEBUG, "/ready": logging.DEBUG,
+                      "/metrics": logging.DEBUG, "/v1/models": logging.INFO}
 
 
 def test_requests_sharing_a_request_id_do_not_collide(server):
