@@ -38,7 +38,8 @@ run ngram --speculative ngram
 "$PY" - "$OUT" <<'PYEOF'
 import json, sys
 from pathlib import Path
-from server.benchmark import load_results, plot
+sys.path.insert(0, "bench")
+from serving_client import load_results, plot
 out = Path(sys.argv[1])
 runs = [load_results(out / name) for name in ("plain", "draft_model", "ngram")]
 plot(runs, out)

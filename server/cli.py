@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
+from pathlib import Path
+from types import ModuleType
 
 
 def _models_fetch(args: argparse.Namespace) -> int:
@@ -71,11 +74,46 @@ def _fetch_missing(engine_config) -> None:
                 raise ValueError(str(exc)) from None
 
 
-def _bench_serve(args: argparse.Namespace) -> int:
-    from server import benchmark
+def _bench_client() -> ModuleType | None:
+    """bench/serving_client.py of the checkout this CLI runs from, or None without one.
 
+    The load generator is a client of the server, not part of it, so the package does not ship
+    it: it lives in bench/ with the other benchmarks and its default dataset (bench/prompts).
+    `specserve bench serve` therefore works from an installed checkout (`make install`, which
+    installs it editable), not from a wheel or the container image."""
+    path = Path(__file__).resolve().parents[1] / "bench" / "serving_client.py"
+    if not path.is_file():
+        return None
+    spec = importlib.util.spec_from_file_location("serving_client", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while they are made
+    spec.loader.exec_module(module)
+    return module
+
+
+def _add_bench_serve(bench_commands) -> None:
+    client = _bench_client()
+    if client is None:
+        missing = "not in this install: it runs from a specserve checkout"
+        bench_commands.add_parser("serve", help=missing, description=missing).set_defaults(
+            func=_no_bench_client)
+        return
+    bserve = bench_commands.add_parser("serve", help="serving benchmark against an "
+                                       "OpenAI-compatible server (concurrency sweep, "
+                                       "TTFT/ITL/throughput)")
+    client.add_arguments(bserve)
+    bserve.set_defaults(func=lambda args: _bench_serve(client, args))
+
+
+def _bench_serve(client: ModuleType, args: argparse.Namespace) -> int:
     args.command = "specserve " + " ".join(sys.argv[1:])
-    return benchmark.main(args)
+    return client.main(args)
+
+
+def _no_bench_client(args: argparse.Namespace) -> int:
+    print("error: `specserve bench serve` runs bench/serving_client.py from a specserve checkout "
+          "(make install); this install has none", file=sys.stderr)
+    return 2
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -124,13 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.set_defaults(func=_serve)
 
     bench = sub.add_parser("bench", help="benchmarks")
-    bsub = bench.add_subparsers(dest="bench_command", required=True)
-    bserve = bsub.add_parser("serve", help="serving benchmark against an OpenAI-compatible "
-                                           "server (concurrency sweep, TTFT/ITL/throughput)")
-    from server.benchmark import add_arguments
-
-    add_arguments(bserve)
-    bserve.set_defaults(func=_bench_serve)
+    _add_bench_serve(bench.add_subparsers(dest="bench_command", required=True))
     return parser
 
 

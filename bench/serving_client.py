@@ -1,5 +1,9 @@
 """`specserve bench serve`: a serving benchmark against any OpenAI-compatible server.
 
+A client of the server, not part of it: it speaks HTTP only and must not import `server` or
+`engine`. The package does not ship it; `specserve bench serve` loads it from the checkout (see
+`server.cli`), and `python bench/serving_client.py` runs it directly.
+
 Streams chat completions with the official `openai` async client at each concurrency level (or
 at a Poisson request rate) and measures per request the time to first token, the inter-token
 latencies (from chunk arrival times), the end-to-end latency, output tokens (from usage) and
@@ -344,3 +348,15 @@ def add_arguments(parser) -> None:
     parser.add_argument("--label", default=None, help="name of this run in plots")
     parser.add_argument("--compare", nargs="*", help="earlier result folders to overlay")
     parser.add_argument("--out", default="bench/results/serve")
+
+
+if __name__ == "__main__":
+    import argparse
+    import sys
+
+    cli = argparse.ArgumentParser(description="serving benchmark against an OpenAI-compatible "
+                                              "server (concurrency sweep, TTFT/ITL/throughput)")
+    add_arguments(cli)
+    cli_args = cli.parse_args()
+    cli_args.command = " ".join(["python", "bench/serving_client.py", *sys.argv[1:]])
+    sys.exit(main(cli_args))
