@@ -141,23 +141,22 @@ class LLMEngine:
         """
         vocab, context = self.vocab_size, self.max_model_len
         if not prompt_ids:
-            raise InvalidRequestError("invalid prompt: it is empty", "prompt")
+            raise InvalidRequestError("the prompt is empty", "prompt")
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_ids):
-            raise InvalidRequestError(f"invalid prompt: token ids must be in [0, {vocab})",
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})",
                                       "prompt")
         if len(prompt_ids) >= context:
             raise InvalidRequestError(
-                f"invalid prompt: {len(prompt_ids)} tokens, but the context length is {context} "
-                f"(prompt plus at least one new token)", "prompt", "context_length_exceeded")
+                f"the prompt has {len(prompt_ids)} tokens, but the context length is {context} "
+                f"(the prompt plus at least one new token)", "prompt", "context_length_exceeded")
         room = context - len(prompt_ids)
         if params.max_tokens is not None and params.max_tokens > room:
             raise InvalidRequestError(
-                f"invalid max_tokens: {params.max_tokens}, but only {room} tokens fit after the "
+                f"max_tokens is {params.max_tokens}, but only {room} tokens fit after the "
                 f"{len(prompt_ids)}-token prompt (context {context})", "max_tokens",
                 "context_length_exceeded")
         if params.logit_bias and max(params.logit_bias) >= vocab:
-            raise InvalidRequestError(f"invalid sampling parameter logit_bias: token ids must be "
-                                      f"in [0, {vocab})", "logit_bias")
+            raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab})", "logit_bias")
 
     def add_request(self, prompt: list[int] | str, params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
