@@ -1,10 +1,12 @@
 """Speculative decoding benchmark on the packaged Qwen2.5-Coder pair, in ONE run.
 
 (a) plain decoding with our engine, (b) our speculative decoding (draft model, adaptive k),
-greedy, (c) ours at temperature 0.7, (d) transformers `generate(assistant_model=draft)` with
-the same models and dtypes, (e) a concurrency sweep 1, 2, 4, 8, 16: adaptive speculation vs
-plain, aggregate tokens/s. Cases (a)-(d) run the prompts of bench/prompts/chat.jsonl one at a
-time (128 new tokens each).
+greedy, (c) ours at temperature 0.7, seeded, coupled verification (the default), (d)
+transformers `generate(assistant_model=draft)` with the same models and dtypes, (e)-(g) seeded
+sampling at temperature 0.7 with rejection verification and at 1.0 with each (the cost of
+determinism), then a concurrency sweep 1, 2, 4, 8, 16: adaptive speculation vs plain, aggregate
+tokens/s. Cases (a)-(g) run the prompts of bench/prompts/chat.jsonl one at a time (128 new
+tokens each).
 
     python bench/spec_decode.py [--dtype bfloat16] [--draft-quantization int8] [--quick]
 
@@ -39,10 +41,11 @@ def load_prompts(tok, path):
                                     return_dict=False) for r in rows]
 
 
-def make_engine(target, draft, tok, args, speculative: bool):
+def make_engine(target, draft, tok, args, speculative: bool, verification: str = "coupled"):
     cfg = SpeculativeConfig(method="draft_model" if speculative else "none", draft_model=DRAFT,
                             k_max=args.k_max, adaptive=True,
-                            draft_quantization=args.draft_quantization)
+                            draft_quantization=args.draft_quantization,
+                            verification=verification)
     return LLMEngine(EngineConfig(kv_cache_memory_gb=1.5, max_num_seqs=32,
                                   max_num_batched_tokens=512, speculative=cfg),
                      model=target, tokenizer=tok, draft_model=draft if speculative else None)
@@ -114,7 +117,6 @@ def main() -> int:
     if args.quick:
         prompts, args.max_tokens, args.sweep_max_tokens, levels = prompts[:2], 32, 16, [1, 2]
     greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    t07 = SamplingParams(temperature=0.7, max_tokens=args.max_tokens, ignore_eos=True, seed=0)
 
     rows = []
     plain_engine = make_engine(target, None, tok, args, speculative=False)
@@ -131,11 +133,19 @@ def main() -> int:
     ideal = ideal_speedup(spec_engine)
     del spec_engine
     gc.collect()
-    spec_engine = make_engine(target, draft, tok, args, speculative=True)
-    rows.append(spec_row("(c) speculative, temperature 0.7", spec_engine,
-                         *run_one_at_a_time(spec_engine, prompts, t07)))
-    del spec_engine
-    gc.collect()
+    # seeded sampling: coupled verification (the default: output identical to plain seeded
+    # sampling) against rejection sampling (higher acceptance, output depends on the drafts)
+    for case, temperature, verification in (("(c)", 0.7, "coupled"), ("(e)", 0.7, "rejection"),
+                                            ("(f)", 1.0, "coupled"), ("(g)", 1.0, "rejection")):
+        params = SamplingParams(temperature=temperature, max_tokens=args.max_tokens,
+                                ignore_eos=True, seed=0)
+        spec_engine = make_engine(target, draft, tok, args, speculative=True,
+                                  verification=verification)
+        rows.append(spec_row(f"{case} speculative, seeded, temperature {temperature}, "
+                             f"{verification} verification", spec_engine,
+                             *run_one_at_a_time(spec_engine, prompts, params)))
+        del spec_engine
+        gc.collect()
 
     rows.append(spec_row("(d) transformers assisted generation", None,
                          *hf_assisted(target, draft_used, prompts, args.max_tokens)))
@@ -164,12 +174,15 @@ def main() -> int:
                       "ratio": spec_rate / plain_rate, "mean_k": sum(ks) / len(ks),
                       "acceptance": sum(acceptance) / len(acceptance)})
 
+    rows.sort(key=lambda r: r["case"])
     tok_s = {r["case"][:3]: r["tok_s"] for r in rows}
     speedup = tok_s["(b)"] / tok_s["(a)"]
     result = (f"RESULT speedup_greedy={speedup:.2f} speedup_t07={tok_s['(c)'] / tok_s['(a)']:.2f} "
               f"vs_hf_assisted={tok_s['(b)'] / tok_s['(d)']:.2f} "
               f"worst_sweep_ratio={min(s['ratio'] for s in sweep):.2f} "
-              f"ideal_fraction={speedup / ideal:.2f}")
+              f"ideal_fraction={speedup / ideal:.2f} "
+              f"coupled_vs_rejection_tps={tok_s['(c)'] / tok_s['(e)']:.2f} "
+              f"coupled_vs_rejection_tps_t1={tok_s['(f)'] / tok_s['(g)']:.2f}")
 
     fmt = lambda v, spec="{:.2f}": "-" if v is None else spec.format(v)  # noqa: E731
     lines = ["| case | tokens | seconds | tokens/s | mean accepted length | acceptance | mean k |",
@@ -190,7 +203,7 @@ def main() -> int:
         f"{' with int8 weight-only linears' if args.draft_quantization == 'int8' else ''}; "
         f"the same draft object for transformers' assisted generation",
         f"{len(prompts)} chat prompts from {Path(args.prompts).relative_to(ROOT)}, "
-        f"{args.max_tokens} new tokens each, one request at a time for (a)-(d); the sweep "
+        f"{args.max_tokens} new tokens each, one request at a time for (a)-(g); the sweep "
         f"runs `concurrency` requests at once, {args.sweep_max_tokens} new tokens each"
         f"{', plain/spec/spec/plain per level, summed' if args.sweep_repeats > 1 else ''}",
         f"ideal speedup from measured acceptance and step costs: {ideal:.2f}"], table, result)

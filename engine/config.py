@@ -23,6 +23,11 @@ class SpeculativeConfig:
     draft_stop_confidence: float = 0.0
     ngram_min_n: int = 1
     ngram_max_n: int = 4
+    # how a seeded sampled request's drafts are verified: "coupled" accepts a draft iff the
+    # target's own position-keyed race picks it, so the output is exactly the output without
+    # speculation; "rejection" uses rejection sampling for them too (higher acceptance, output
+    # depends on k). Unseeded sampled requests always use rejection sampling; greedy, the argmax.
+    verification: str = "coupled"
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -33,6 +38,9 @@ class SpeculativeConfig:
         if not 0.0 <= self.draft_stop_confidence < 1.0:
             raise ValueError(f"invalid speculative config draft_stop_confidence: "
                              f"{self.draft_stop_confidence!r}, must be in [0, 1)")
+        if self.verification not in ("coupled", "rejection"):
+            raise ValueError(f"invalid speculative config verification: "
+                             f"{self.verification!r}; use coupled or rejection")
         if self.draft_quantization not in ("none", "int8"):
             raise ValueError(f"invalid speculative config draft_quantization: "
                              f"{self.draft_quantization!r}; use none or int8")

@@ -24,7 +24,7 @@ from engine.errors import InvalidRequestError
 from engine.model_runner import ModelRunner, ModelShape, RunItem, StepLogits
 from engine.models.draft import load_draft, prepare_draft
 from engine.models.loader import load_model
-from engine.sample import rejection_sampler, sampler
+from engine.sample import keys, rejection_sampler, sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sequence import Sequence
@@ -84,7 +84,7 @@ class LLMEngine:
             self.block_manager, self._eos_token_ids(model, tokenizer))
         self.device = self.runner.device
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
-        self._seq_generators: dict[str, torch.Generator] = {}
+        self.coupled = config.speculative.verification == "coupled"
         self._sequences: dict[str, Sequence] = {}
         self._num_emitted: dict[str, int] = {}
         self._ids = itertools.count()
@@ -169,9 +169,6 @@ class LLMEngine:
             raise InvalidRequestError(f"invalid request_id: {request_id!r} is already in flight",
                                       "request_id")
         seq = Sequence(request_id, prompt_ids, params)
-        if params.seed is not None:
-            gen = torch.Generator(device=self.device).manual_seed(params.seed)
-            self._seq_generators[request_id] = gen
         self._sequences[request_id] = seq
         self._num_emitted[request_id] = 0
         self.scheduler.add(seq)
@@ -221,7 +218,8 @@ class LLMEngine:
                                  for o, e in zip(owners, emitted)))
         changed = self._update(out, owners, emitted,
                                self._logprobs(owners, emitted, step_logits.logits))
-        self.speculator.propose(self.scheduler.running, self._num_joining(), self._row_spec)
+        self.speculator.propose(self.scheduler.running, self._num_joining(),
+                                self._draft_row_spec)
         return [self._output(seq) for seq in changed]
 
     def _row_owners(self, out: SchedulerOutput, step_logits: StepLogits) -> list[RowOwner]:
@@ -237,11 +235,25 @@ class LLMEngine:
                 owners.append(RowOwner(i, sched.seq, lo, sched.seq.draft_token_ids[:hi - lo - 1]))
         return owners
 
-    def _row_spec(self, seq: Sequence, drafts: list[int]) -> sampler.RowSpec:
-        """How to sample the position after `drafts` (the drafts count as generated tokens)."""
+    def _row_spec(self, seq: Sequence, drafts: list[int],
+                  stream: int = keys.RACE) -> sampler.RowSpec:
+        """How to sample the position after `drafts` (the drafts count as generated tokens);
+        a seeded request's noise there is keyed by (seed, position, stream)."""
         history = seq.output_token_ids + drafts if drafts else seq.output_token_ids
-        return sampler.RowSpec(seq.params, seq.prompt_token_ids, history,
-                                self._seq_generators.get(seq.request_id))
+        seed = seq.params.seed
+        key = None if seed is None else keys.noise_key(seed, len(history), stream)
+        return sampler.RowSpec(seq.params, seq.prompt_token_ids, history, key)
+
+    def _draft_row_spec(self, seq: Sequence, drafts: list[int]) -> sampler.RowSpec:
+        """What a draft model samples from: under coupled verification a seeded request drafts
+        with the target's own keyed noise (so the draft picks what the target would when the
+        two agree); otherwise with a stream of its own."""
+        return self._row_spec(seq, drafts, keys.RACE if self.coupled else keys.DRAFT)
+
+    def _by_pick(self, seq: Sequence) -> bool:
+        """Verified by the target's own pick: greedy, or seeded sampling under coupled
+        verification (both emit exactly the tokens plain decoding would)."""
+        return seq.params.greedy or (self.coupled and seq.params.seed is not None)
 
     def _verify(self, owners: list[RowOwner], logits: torch.Tensor) -> list[list[int]]:
         """Emitted tokens per row owner: its accepted drafts + one sampled token.
@@ -256,26 +268,35 @@ class LLMEngine:
         processed = sampler.process_logits(logits, tensors)
         if not any(o.drafts for o in owners):  # no speculation this step: one vectorized draw
             return [[t] for t in sampler.sample(processed, tensors, self.generator).tolist()]
-        return self._rejection_sample(owners, processed)
+        return self._verify_drafts(owners, processed, tensors)
 
-    def _rejection_sample(self, owners: list[RowOwner],
-                          processed: torch.Tensor) -> list[list[int]]:
-        greedy = [o.seq.params.greedy for o in owners]
-        # greedy rows only need the argmax, which the processed logits already have
-        target = processed if all(greedy) else torch.softmax(processed, dim=-1)
+    def _verify_drafts(self, owners: list[RowOwner], processed: torch.Tensor,
+                       tensors: sampler.SamplingTensors) -> list[list[int]]:
+        by_pick = [self._by_pick(o.seq) for o in owners]
+        # the target's own pick at every row verified by pick: a keyed race for coupled
+        # sampled rows, the argmax for the rest (never read for rows verified by rejection)
+        race = [pick and not o.seq.params.greedy
+                for o, pick in zip(owners, by_pick) for _ in range(len(o.drafts) + 1)]
+        picks = sampler.sample(processed, tensors, race=race)
+        # rows verified by pick only need their picks, which the processed logits already gave
+        target = processed if all(by_pick) else torch.softmax(processed, dim=-1)
         qs = [self.speculator.draft_probs(o.seq, len(o.drafts)) for o in owners]
+        qs = [None if pick else q for q, pick in zip(qs, by_pick)]  # by pick: q is not needed
         draft_probs = None
         if any(q is not None for q, o in zip(qs, owners) if o.drafts):
-            # a greedy sequence's q is never read; one-hot keeps the rows aligned
+            # a q that is never read (verified by pick) or absent: one-hot keeps rows aligned
             draft_probs = torch.cat([
                 q if q is not None else torch.nn.functional.one_hot(
                     torch.tensor(o.drafts, device=self.device), self.vocab_size).float()
                 for q, o in zip(qs, owners) if o.drafts])
+        noise_keys = [None if pick or o.seq.params.seed is None else
+                      tensors.noise_keys[o.first_row:o.first_row + len(o.drafts) + 1]
+                      for o, pick in zip(owners, by_pick)]
         flat = [t for o in owners for t in o.drafts]
         emitted = rejection_sampler.rejection_sample(
             torch.tensor(flat, dtype=torch.long, device=self.device),
-            [len(o.drafts) for o in owners], draft_probs, target, greedy,
-            [self._seq_generators.get(o.seq.request_id) for o in owners], self.generator)
+            [len(o.drafts) for o in owners], draft_probs, target, by_pick, noise_keys,
+            self.generator, picks)
         return rejection_sampler.to_lists(emitted)
 
     def _logprobs(self, owners: list[RowOwner], emitted: list[list[int]],
@@ -328,7 +349,6 @@ class LLMEngine:
                      "num_preemptions": seq.num_preemptions})
         if seq.is_finished:
             self._sequences.pop(rid, None)
-            self._seq_generators.pop(rid, None)
             self._num_emitted.pop(rid, None)
         return result
 

@@ -48,8 +48,9 @@ class SamplingParams:
                    f"must be in [-2, 2], got {value!r}")
         _check(_is_number(self.repetition_penalty) and self.repetition_penalty > 0,
                "repetition_penalty", f"must be > 0, got {self.repetition_penalty!r}")
-        _check(self.seed is None or isinstance(self.seed, int), "seed",
-               f"must be an integer, got {self.seed!r}")
+        _check(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)
+                                     and -2 ** 63 <= self.seed < 2 ** 63), "seed",
+               f"must be a 64-bit signed integer, got {self.seed!r}")
         _check(self.logprobs is None or (isinstance(self.logprobs, int)
                                          and 0 <= self.logprobs <= MAX_LOGPROBS),
                "logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")

@@ -10,6 +10,7 @@ template and the completion prompt's shapes. Must not touch a `Sequence` nor sub
 from __future__ import annotations
 
 from engine import InvalidRequestError, SamplingParams
+from engine.sample.keys import choice_seed
 from server.errors import APIError
 from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.state import ServerState
@@ -108,7 +109,7 @@ def sampling_params(state: ServerState, req, prompt_ids: list[int], max_tokens: 
 
 def _choice_params(req, index: int, max_tokens: int,
                    num_logprobs: int | None) -> SamplingParams:
-    seed = None if req.seed is None else (req.seed + index) % (2 ** 63)
+    seed = None if req.seed is None else choice_seed(req.seed, index)
     return SamplingParams(
         max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
         min_p=req.min_p, presence_penalty=req.presence_penalty,

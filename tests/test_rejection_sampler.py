@@ -6,6 +6,7 @@ import torch
 from scipy import stats
 
 from engine.sample import sampler
+from engine.sample.keys import noise_key
 from engine.sample.rejection_sampler import PLACEHOLDER, rejection_sample, to_lists
 from engine.sampling_params import SamplingParams
 
@@ -50,6 +51,19 @@ def test_all_empty_drafts_is_plain_sampling():
     assert out.tolist() == [[3], [4]]
 
 
+def test_verified_by_given_picks_ignores_the_distribution():
+    """Coupled verification: accept while the draft equals the target's own pick (here not the
+    argmax of target_probs), then emit that pick; a sequence verified by rejection beside it."""
+    drafts = torch.tensor([1, 5, 3, 2, 2], dtype=torch.long)
+    target = one_hot_rows([7, 7, 7, 7, 0, 0, 0])  # argmax 7 for the first sequence's rows
+    target[4:6] = torch.nn.functional.one_hot(torch.tensor([2, 2]), V).float()  # p(2) = 1
+    picks = torch.tensor([1, 2, 3, 4, 6, 6, 6])  # never read for the second sequence
+    out = rejection_sample(drafts, [3, 2], None, target, [True, False], [None, None],
+                           torch.Generator().manual_seed(0), picks)
+    assert to_lists(out)[0] == [1, 2]
+    assert to_lists(out)[1][:2] == [2, 2] and len(to_lists(out)[1]) == 3  # p(2) = 1: kept
+
+
 def _random_case(seed, batch=6, k=3, vocab=V):
     g = torch.Generator().manual_seed(seed)
     p = torch.softmax(torch.randn(batch * (k + 1), vocab, generator=g) * 0.3, -1)
@@ -61,11 +75,11 @@ def _random_case(seed, batch=6, k=3, vocab=V):
 def test_seeded_sequences_are_deterministic_regardless_of_batch():
     drafts, p, q = _random_case(0)
 
-    def run(gen_seed, other_seed):
-        gens = [torch.Generator().manual_seed(other_seed) for _ in range(5)]
-        gens.insert(2, torch.Generator().manual_seed(gen_seed))
+    def run(seed, other_seed):
+        keys = [[noise_key(other_seed + i, t) for t in range(4)] for i in range(5)]
+        keys.insert(2, [noise_key(seed, t) for t in range(4)])  # positions 0..3
         default = torch.Generator().manual_seed(other_seed)
-        return rejection_sample(drafts, [3] * 6, q, p, [False] * 6, gens, default)[2].tolist()
+        return rejection_sample(drafts, [3] * 6, q, p, [False] * 6, keys, default)[2].tolist()
 
     assert run(7, 1) == run(7, 2) == run(7, 3)
     assert len({tuple(run(s, 1)) for s in range(20)}) > 1

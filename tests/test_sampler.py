@@ -5,12 +5,13 @@ import math
 import torch
 
 from engine.sample import sampler
+from engine.sample.keys import noise_key
 from engine.sampling_params import SamplingParams
 
 
-def rows(*params, prompt=(), output=(), gens=None):
-    gens = gens or [None] * len(params)
-    return [sampler.RowSpec(p, list(prompt), list(output), g) for p, g in zip(params, gens)]
+def rows(*params, prompt=(), output=(), keys=None):
+    keys = keys or [None] * len(params)
+    return [sampler.RowSpec(p, list(prompt), list(output), k) for p, k in zip(params, keys)]
 
 
 def process(logits, *params, **kw):
@@ -84,9 +85,8 @@ def test_seeded_rows_reproducible_regardless_of_batch():
     p = SamplingParams(temperature=1.0, seed=3)
 
     def draw(batch_size):
-        gen = torch.Generator().manual_seed(3)
         specs = rows(*([SamplingParams(temperature=1.0)] * (batch_size - 1) + [p]),
-                     gens=[None] * (batch_size - 1) + [gen])
+                     keys=[None] * (batch_size - 1) + [noise_key(3, 0)])
         t = sampler.build_sampling_tensors(specs, 50, logits.device)
         big = logits.repeat(batch_size, 1)
         return [sampler.sample(sampler.process_logits(big, t), t)[-1].item() for _ in range(1)]

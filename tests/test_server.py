@@ -114,6 +114,35 @@ def test_seeds_reproducible(client):
     assert len({run(s) for s in range(5)}) > 1
 
 
+@pytest.fixture(scope="module")
+def ngram_client(model_dir, tmp_path_factory):
+    """A server speculating with n-gram drafts and adaptive k (k follows load and timings)."""
+    cfg = tmp_path_factory.mktemp("ngram") / "ngram.yaml"
+    cfg.write_text(f"engine:\n  model: {model_dir}\n  device: cpu\n  num_threads: 1\n"
+                   f"  speculative:\n    method: ngram\n    k_max: 6\n")
+    srv = ServerProcess(["--config", str(cfg), "--served-model-name", MODEL]).wait_ready()
+    yield openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+    assert srv.terminate() == 0, srv.log()
+
+
+def test_seeded_output_is_the_same_with_speculation_on_or_off(ngram_client):
+    messages = [{"role": "user", "content": "abc abc abc abc abc abc abc abc"}]
+
+    def run(speculative=True, n=1):
+        out = ngram_client.chat.completions.create(
+            model=MODEL, messages=messages, temperature=1.0, max_tokens=48, seed=1234, n=n,
+            extra_body={"ignore_eos": True, "speculative": speculative})
+        return [c.message.content for c in out.choices], out.usage
+
+    first, usage = run()
+    assert usage.model_extra["speculative"]["drafted_tokens"] > 0  # it did speculate
+    assert run()[0] == run()[0] == first
+    assert run(speculative=False)[0] == first
+    pair, _ = run(n=2)
+    assert pair[0] == first[0] and pair[1] != first[0]  # choice 1 has a seed of its own
+    assert run(n=2)[0] == pair == run(speculative=False, n=2)[0]
+
+
 def test_stop_strings_spanning_tokens_are_cut_and_never_leak(client):
     free = client.chat.completions.create(model=MODEL, messages=HELLO, temperature=0,
                                           max_tokens=40, extra_body={"ignore_eos": True})

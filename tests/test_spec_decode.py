@@ -17,14 +17,14 @@ LENGTHS = [3, 50, 17, 90, 8, 33, 1, 64]
 
 
 def make_engine(target, method="none", draft=None, k_max=4, adaptive=False, stop_confidence=0.0,
-                **kw):
+                verification="coupled", **kw):
     """stop_confidence 0 by default: random tiny drafts are unsure, and the tests want full
     k-token drafts; the confidence stop has tests of its own."""
     cfg = dict(num_blocks=256, max_num_batched_tokens=128, max_num_seqs=16)
     cfg.update(kw)
     spec = SpeculativeConfig(method=method, draft_model="in-memory" if draft else None,
                              k_max=k_max, adaptive=adaptive, calibrate=adaptive,
-                             draft_stop_confidence=stop_confidence)
+                             draft_stop_confidence=stop_confidence, verification=verification)
     return LLMEngine(EngineConfig(speculative=spec, **cfg), model=clone_model(target),
                      draft_model=clone_model(draft) if draft is not None else None)
 
@@ -111,7 +111,9 @@ def test_sampled_distribution_matches_plain_engine(top_p, stop_confidence):
                               ignore_eos=True)
 
     plain = _third_tokens(make_engine(target), prompt, params, list(range(n)))
-    engine = make_engine(target, "draft_model", draft, k_max=3, stop_confidence=stop_confidence)
+    # seeded requests verified by rejection sampling (coupled verification has its own test)
+    engine = make_engine(target, "draft_model", draft, k_max=3, stop_confidence=stop_confidence,
+                         verification="rejection")
     spec = _third_tokens(engine, prompt, params, list(range(n, 2 * n)))
     st = engine.speculator.stats
     assert 0.05 < st.acceptance_rate < 0.99  # drafts were both accepted and rejected

@@ -6,25 +6,30 @@ Terms, defined once:
 - p: the target's processed distribution at a position; q: the draft's (None = one-hot on the
   draft token, as for n-gram drafts). Both come from `sampler.process_logits` with the same
   settings, so exactness holds for every sampling setting.
-- accepted: draft token x at position j is kept with probability min(1, p_j(x) / q_j(x))
-  (greedy: iff x == argmax p_j). Sequence i keeps the longest accepted prefix.
+- pick: the token the target itself emits at a position without speculation: argmax p_j for a
+  greedy sequence, the position-keyed exponential race argmax(p_j / E(seed, t)) for a seeded
+  sequence under coupled verification. Such sequences are verified by pick.
+- accepted: draft token x at position j is kept with probability min(1, p_j(x) / q_j(x));
+  verified by pick: iff x == pick_j. Sequence i keeps the longest accepted prefix.
 - recovered token: at the first rejected position j, a token drawn from
-  normalize(max(p_j - q_j, 0)) (greedy: argmax p_j).
+  normalize(max(p_j - q_j, 0)); verified by pick: pick_j.
 - bonus token: when all k_i drafts are accepted, a token drawn from p at position k_i (the row
-  after the last draft).
+  after the last draft); verified by pick: pick_{k_i}.
 Every sequence therefore emits (accepted drafts) + 1 tokens, and each emitted token has exactly
-the target's distribution (Leviathan et al. 2023; Chen et al. 2023).
+the target's distribution (Leviathan et al. 2023; Chen et al. 2023); a sequence verified by pick
+emits exactly the tokens it would emit without speculation, whatever the drafts were.
 
 Randomness: uniforms for acceptance and exponential noise for the final draw (the exponential
-race argmax(r / E) samples from normalize(r)). A sequence with its own generator draws all of
-them from it, in a fixed order, so its tokens do not depend on the rest of the batch.
+race argmax(r / E) samples from normalize(r)). A seeded sequence draws them from position-keyed
+generators (`keys.noise_key`), so its tokens do not depend on the rest of the batch.
 """
 
 from __future__ import annotations
 
 import torch
 
-from engine.sample.sampler import exponential_noise
+from engine.sample.keys import ACCEPT, restream
+from engine.sample.sampler import exponential_noise, keyed_uniform
 
 PLACEHOLDER = -1
 
@@ -34,10 +39,13 @@ def rejection_sample(
     num_draft_tokens: list[int],  # [B]
     draft_probs: torch.Tensor | None,  # [num_draft_tokens, V] float, or None (one-hot drafts)
     target_probs: torch.Tensor,  # [num_draft_tokens + B, V]: k_i + 1 rows per sequence. Rows
-    #                              of greedy sequences only need the right argmax.
-    greedy: list[bool],  # [B]
-    generators: list[torch.Generator | None],  # [B] a sequence's own generator, if seeded
+    #                              of sequences verified by pick are never read.
+    by_pick: list[bool],  # [B] verified by pick (greedy, or coupled seeded sampling)
+    noise_keys: list[list[int] | None],  # [B] seeded sequences verified by rejection: the
+    #                                      noise keys of their k_i + 1 positions
     default_generator: torch.Generator | None = None,
+    picks: torch.Tensor | None = None,  # [num_draft_tokens + B] long; None: argmax of
+    #                                     target_probs (greedy)
 ) -> torch.Tensor:  # [B, max_k + 1] long: emitted tokens, padded with PLACEHOLDER
     """Verify every sequence's drafts at once (terms in the module docstring).
 
@@ -54,33 +62,36 @@ def rejection_sample(
     drafts = draft_token_ids[d_idx] if max_k else torch.zeros((batch, 0), dtype=torch.long,
                                                                device=device)  # [B, K]
     t_rows = (target_start[:, None] + pos).clamp(max=target_probs.shape[0] - 1)  # [B, K]
-    is_greedy = torch.tensor(greedy, dtype=torch.bool, device=device)  # [B]
+    is_pick = torch.tensor(by_pick, dtype=torch.bool, device=device)  # [B]
+    picks = target_probs.argmax(dim=-1) if picks is None else picks  # [num rows]
 
     if max_k:
         # -- acceptance ----------------------------------------------------------------------
         p_x = target_probs[t_rows, drafts]  # [B, K]
         q_x = torch.ones_like(p_x) if draft_probs is None else draft_probs[d_idx, drafts]
-        uniform = _uniforms((batch, max_k), num_draft_tokens, greedy, generators,
+        uniform = _uniforms((batch, max_k), num_draft_tokens, by_pick, noise_keys,
                             default_generator, device)
         # q >= p: accept with probability p/q; q < p: always (uniform < 1 <= p/q)
         sampled_ok = uniform * q_x < p_x
-        greedy_ok = drafts == target_probs.argmax(dim=-1)[t_rows]
-        accepted = torch.where(is_greedy[:, None], greedy_ok, sampled_ok) & (pos < k[:, None])
+        pick_ok = drafts == picks[t_rows]
+        accepted = torch.where(is_pick[:, None], pick_ok, sampled_ok) & (pos < k[:, None])
         num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)  # [B]
     else:
         num_accepted = torch.zeros(batch, dtype=torch.long, device=device)
 
     # -- the final token: recovered at the first rejection, else bonus ------------------------
-    dist = target_probs[target_start + num_accepted]  # [B, V]
-    final = dist.argmax(dim=-1)  # greedy: the target's own token, recovered or bonus
-    if not all(greedy):
+    final_rows = target_start + num_accepted  # [B]
+    final = picks[final_rows]  # by pick: the target's own token, recovered or bonus
+    if not all(by_pick):
+        dist = target_probs[final_rows]  # [B, V]
         at = num_accepted.clamp(max=max(max_k - 1, 0))[:, None]  # [B, 1] the first rejection
         rejected_draft = drafts.gather(1, at) if max_k else at  # [B, 1]
         q_row = None if draft_probs is None else draft_probs[d_idx.gather(1, at)[:, 0]]  # [B, V]
         dist = _recovered_or_bonus(dist.float(), num_accepted < k, rejected_draft, q_row)
-        gens = [None if g else gen for g, gen in zip(greedy, generators)]
-        noise = exponential_noise(tuple(dist.shape), gens, device, default_generator)
-        final = torch.where(is_greedy, final, (dist / noise).argmax(dim=-1))
+        noise = exponential_noise(tuple(dist.shape),
+                                  _final_keys(by_pick, noise_keys, num_accepted), device,
+                                  default_generator)
+        final = torch.where(is_pick, final, (dist / noise).argmax(dim=-1))
 
     out = torch.full((batch, max_k + 1), PLACEHOLDER, dtype=torch.long, device=device)
     if max_k:
@@ -109,15 +120,25 @@ def _recovered_or_bonus(p: torch.Tensor, rejected: torch.Tensor, rejected_draft:
     return torch.where(usable[:, None], residual, p)
 
 
-def _uniforms(shape: tuple[int, int], num_draft_tokens: list[int], greedy: list[bool],
-              generators: list[torch.Generator | None], default: torch.Generator | None,
+def _uniforms(shape: tuple[int, int], num_draft_tokens: list[int], by_pick: list[bool],
+              noise_keys: list[list[int] | None], default: torch.Generator | None,
               device: torch.device) -> torch.Tensor:
-    """[B, K] U(0, 1); a seeded sampled sequence draws its k_i from its own generator first."""
+    """[B, K] U(0, 1); a seeded sequence's uniform at each draft position is keyed by it."""
     uniform = torch.rand(shape, generator=default, device=device)
-    for i, (k, g, gen) in enumerate(zip(num_draft_tokens, greedy, generators)):
-        if gen is not None and k and not g:
-            uniform[i, :k] = torch.rand(k, generator=gen, device=device)
+    for i, (k, pick, keys) in enumerate(zip(num_draft_tokens, by_pick, noise_keys)):
+        if keys is not None and k and not pick:
+            uniform[i, :k] = keyed_uniform([restream(key, ACCEPT) for key in keys[:k]], device)
     return uniform
+
+
+def _final_keys(by_pick: list[bool], noise_keys: list[list[int] | None],
+                num_accepted: torch.Tensor) -> list[int | None]:
+    """The noise key of each seeded sequence's final position (None: the default stream)."""
+    if not any(keys is not None and not pick for keys, pick in zip(noise_keys, by_pick)):
+        return [None] * len(by_pick)
+    accepted = num_accepted.tolist()
+    return [keys[n] if keys is not None and not pick else None
+            for keys, pick, n in zip(noise_keys, by_pick, accepted)]
 
 
 def to_lists(emitted: torch.Tensor) -> list[list[int]]:

@@ -8,8 +8,10 @@ temperature, top-k, top-p, min-p). The verifier applies the same function to dra
 logits, so exactness holds for every sampling setting.
 
 Random draws use the exponential race: argmax(p / E) with E ~ Exp(1) i.i.d. is a sample from
-p. A seeded request draws E from its own generator, so its tokens do not depend on what else is
-in the batch.
+p. A seeded request's noise is position-keyed: the noise of the row that samples its output
+position t is drawn from a generator seeded with `keys.noise_key(seed, t)`, a pure function of the
+two, so its tokens depend neither on the batch nor on how many drafts earlier steps verified.
+Unseeded rows share the engine's stream.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ class RowSpec:
     params: SamplingParams
     prompt_token_ids: list[int]  # for the repetition penalty
     output_token_ids: list[int]  # generated so far (before this row's position)
-    generator: torch.Generator | None  # the request's own generator when it has a seed
+    noise_key: int | None = None  # seeded requests: `noise_key(seed, position)` of this row
 
 
 @dataclass
@@ -44,7 +46,8 @@ class SamplingTensors:
     output_counts: torch.Tensor | None  # [R, V] float counts of generated tokens
     seen: torch.Tensor | None  # [R, V] bool: token in prompt or output
     logit_bias: list[tuple[int, list[int], list[float]]]  # (row, token ids, biases)
-    generators: list[torch.Generator | None]  # [R]
+    noise_keys: list[int | None]  # [R]
+    greedy_rows: list[bool]  # [R], as `greedy`
     all_greedy: bool
 
 
@@ -68,7 +71,8 @@ def build_sampling_tensors(rows: list[RowSpec], vocab_size: int,
         presence=None, frequency=None, repetition=None, output_counts=None, seen=None,
         logit_bias=[(i, list(p.logit_bias), list(p.logit_bias.values()))
                     for i, p in enumerate(params) if p.logit_bias],
-        generators=[r.generator for r in rows],
+        noise_keys=[r.noise_key for r in rows],
+        greedy_rows=greedy,
         all_greedy=all(greedy),
     )
     if any(p.has_penalties for p in params):
@@ -133,28 +137,56 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
     return logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
 
 
-def exponential_noise(shape: tuple[int, int], generators: list[torch.Generator | None],
-                      device: torch.device, default: torch.Generator | None) -> torch.Tensor:
-    """[R, V] i.i.d. Exp(1); a row with its own generator draws from it alone."""
+_keyed_generators: dict[torch.device, torch.Generator] = {}
+
+
+def keyed_generator(key: int, device: torch.device) -> torch.Generator:
+    """A generator in the state `key` defines (one per device, reseeded at each use)."""
+    gen = _keyed_generators.get(device)
+    if gen is None:
+        gen = _keyed_generators[device] = torch.Generator(device=device)
+    return gen.manual_seed(key)
+
+
+def exponential_noise(shape: tuple[int, int], keys: list[int | None], device: torch.device,
+                      default: torch.Generator | None) -> torch.Tensor:
+    """[R, V] i.i.d. Exp(1); a row with a key draws from the generator that key defines."""
     noise = torch.empty(shape, dtype=torch.float32, device=device)
-    noise.exponential_(generator=default)
-    for row, gen in enumerate(generators):
-        if gen is not None:
-            noise[row].exponential_(generator=gen)
+    if any(key is None for key in keys):
+        noise.exponential_(generator=default)
+    for row, key in enumerate(keys):
+        if key is not None:
+            noise[row].exponential_(generator=keyed_generator(key, device))
     return noise
 
 
+def keyed_uniform(keys: list[int], device: torch.device) -> torch.Tensor:
+    """[len(keys)] U(0, 1), one draw from each key's generator."""
+    return torch.cat([torch.rand(1, generator=keyed_generator(key, device), device=device)
+                      for key in keys])
+
+
 def sample(processed: torch.Tensor, t: SamplingTensors,
-           default_generator: torch.Generator | None = None) -> torch.Tensor:
-    """processed: [R, V] from `process_logits` -> token ids [R] (long)."""
+           default_generator: torch.Generator | None = None,
+           race: list[bool] | None = None) -> torch.Tensor:
+    """processed: [R, V] from `process_logits` -> token ids [R] (long).
+
+    Rows race (draw a sample) unless greedy; `race` can restrict that further (the other rows
+    take the argmax, which is what a greedy row takes anyway).
+    """
+    race = [not g for g in t.greedy_rows] if race is None else race
     greedy_ids = processed.argmax(dim=-1)
-    if t.all_greedy:
+    rows = [i for i, r in enumerate(race) if r]
+    if not rows:
         return greedy_ids
-    probs = torch.softmax(processed, dim=-1)
-    sampled_gens = [None if g else gen for g, gen in zip(t.greedy.tolist(), t.generators)]
-    noise = exponential_noise(tuple(probs.shape), sampled_gens, probs.device, default_generator)
+    racing = processed if len(rows) == len(race) else processed[rows]
+    probs = torch.softmax(racing, dim=-1)
+    noise = exponential_noise(tuple(probs.shape), [t.noise_keys[i] for i in rows],
+                              probs.device, default_generator)
     sampled_ids = (probs / noise).argmax(dim=-1)
-    return torch.where(t.greedy, greedy_ids, sampled_ids)
+    if len(rows) == len(race):
+        return sampled_ids
+    return greedy_ids.index_copy(0, torch.tensor(rows, device=processed.device), sampled_ids)
 
 
 def logprobs_of(raw_logits: torch.Tensor, token_ids: torch.Tensor, num_top: list[int | None]

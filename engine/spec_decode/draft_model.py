@@ -17,7 +17,6 @@ draft length then depends on the draft alone, so the verifier stays exact.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import torch
@@ -54,22 +53,9 @@ class DraftModelProposer(Proposer):
         self.valid_vocab = min(draft_vocab, target_vocab_size, tokenizer_size or draft_vocab)
         self.device = self.runner.device
         self.stop_confidence = stop_confidence
-        # unseeded requests draft from the engine seed's stream, apart from the verifier's
+        # unseeded requests draft from the engine seed's stream, apart from the verifier's;
+        # seeded ones with the noise key their rows carry
         self.generator = torch.Generator(device=self.device).manual_seed(seed + 1)
-        self._seq_generators: dict[str, torch.Generator] = {}
-
-    def free(self, seq: Sequence) -> None:
-        self._seq_generators.pop(seq.request_id, None)
-
-    def _generator(self, seq: Sequence) -> torch.Generator | None:
-        """A seeded request drafts from its own stream, separate from the verifier's."""
-        if seq.params.seed is None:
-            return None
-        gen = self._seq_generators.get(seq.request_id)
-        if gen is None:
-            gen = torch.Generator(device=self.device).manual_seed(seq.params.seed ^ 0x5EED)
-            self._seq_generators[seq.request_id] = gen
-        return gen
 
     def _reserve(self, seq: Sequence, k: int) -> int:
         """Reserve the slots the draft writes (positions up to num_tokens + k - 2); shrink k
@@ -100,8 +86,7 @@ class DraftModelProposer(Proposer):
         step = 0
         while active:
             t0 = time.perf_counter()
-            row_specs = [dataclasses.replace(rows(i, drafts[i]), generator=self._generator(seqs[i]))
-                     for i in active]
+            row_specs = [rows(i, drafts[i]) for i in active]
             tokens, q, confident = self._draft_token(items, row_specs,
                                                      any(ks[i] > step + 1 for i in active))
             num_tokens = sum(len(item.token_ids) for item in items)
