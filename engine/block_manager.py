@@ -4,6 +4,10 @@ Prefix cache: each *full, committed, computed* block is keyed by a chained hash
 `hash((parent_hash, block_tokens))`, so equal keys mean equal whole prefixes. A hit is verified
 against the block's stored tokens. Blocks whose ref count drops to zero stay cached on the free
 list (least recently freed evicted first) until the pool needs them.
+
+Tenant isolation: a sequence's `cache_salt` is the parent of its first block's hash, and every
+cached block records the salt it was computed under; a hit needs an equal salt as well as equal
+tokens, so sequences with different salts never share a block, whatever the hashes do.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ class Block:
     ref_count: int = 0
     hash: int | None = None
     token_ids: tuple[int, ...] | None = None  # set with `hash`, to verify cache hits
+    salt: str | None = None  # the cache salt the cached block belongs to
 
 
 @dataclass
@@ -28,7 +33,8 @@ class PrefixCacheStats:
     hits: int = 0  # prompt tokens found in the cache
 
 
-def chain_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+def chain_hash(parent_hash: int | str | None, token_ids: tuple[int, ...]) -> int:
+    """The key of a full block; the first block's parent is the sequence's cache salt."""
     return hash((parent_hash, token_ids))
 
 
@@ -63,7 +69,7 @@ class BlockManager:
         """Extend `seq.block_hashes` over the full blocks of its first `num_tokens` committed tokens."""
         bs = self.block_size
         for i in range(len(seq.block_hashes), min(num_tokens, seq.num_tokens) // bs):
-            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            parent = seq.block_hashes[-1] if seq.block_hashes else seq.cache_salt
             seq.block_hashes.append(chain_hash(parent, tuple(seq.token_ids[i * bs:(i + 1) * bs])))
 
     def match_prefix(self, seq: Sequence) -> list[int]:
@@ -80,8 +86,10 @@ class BlockManager:
             block_id = self.hash_to_block.get(h)
             if block_id is None:
                 break
-            if self.blocks[block_id].token_ids != tuple(seq.token_ids[i * bs:(i + 1) * bs]):
-                break  # hash collision: treat as a miss
+            block = self.blocks[block_id]
+            if (block.salt != seq.cache_salt
+                    or block.token_ids != tuple(seq.token_ids[i * bs:(i + 1) * bs])):
+                break  # hash collision (or another tenant's block): a miss
             matched.append(block_id)
         return matched
 
@@ -105,6 +113,7 @@ class BlockManager:
             if h in self.hash_to_block:
                 continue  # an equal block is cached already; this one stays private
             block.hash, block.token_ids = h, tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            block.salt = seq.cache_salt
             self.hash_to_block[h] = block.block_id
 
     # -- allocation ------------------------------------------------------------------------
@@ -149,4 +158,4 @@ class BlockManager:
         if block.hash is not None:
             if self.hash_to_block.get(block.hash) == block_id:
                 del self.hash_to_block[block.hash]
-            block.hash, block.token_ids = None, None
+            block.hash, block.token_ids, block.salt = None, None, None

@@ -159,16 +159,21 @@ class LLMEngine:
             raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab})", "logit_bias")
 
     def add_request(self, prompt: list[int] | str, params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
-        """Validate and queue a request; raises InvalidRequestError naming the bad field."""
+                    request_id: str | None = None, cache_salt: str | None = None) -> str:
+        """Validate and queue a request; raises InvalidRequestError naming the bad field.
+
+        `cache_salt` partitions the prefix cache: only requests with an equal salt (None
+        included) share cached blocks."""
         params = params or SamplingParams()
         prompt_ids = self._encode(prompt)
         self.validate(prompt_ids, params)
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise InvalidRequestError("invalid cache_salt: must be a string", "cache_salt")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._sequences:
             raise InvalidRequestError(f"invalid request_id: {request_id!r} is already in flight",
                                       "request_id")
-        seq = Sequence(request_id, prompt_ids, params)
+        seq = Sequence(request_id, prompt_ids, params, cache_salt=cache_salt)
         self._sequences[request_id] = seq
         self._num_emitted[request_id] = 0
         self.scheduler.add(seq)

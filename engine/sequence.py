@@ -24,9 +24,11 @@ class SequenceStatus(enum.Enum):
 
 class Sequence:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 arrival_time: float | None = None) -> None:
+                 arrival_time: float | None = None, cache_salt: str | None = None) -> None:
         self.request_id = request_id
         self.params = params
+        # partitions the prefix cache: blocks are shared only between equal salts (tenants)
+        self.cache_salt = cache_salt
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.draft_token_ids: list[int] = []

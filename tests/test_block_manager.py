@@ -116,3 +116,37 @@ def test_shared_block_survives_until_last_reference_freed():
     assert bm.blocks[shared].ref_count == 1 and shared not in bm.free_queue
     bm.free(b)
     assert bm.blocks[shared].ref_count == 0 and shared in bm.free_queue
+
+
+def _cached(tokens, rid, salt, bm):
+    s = Sequence(rid, list(tokens), SamplingParams(), cache_salt=salt)
+    assert bm.allocate(s, len(tokens))
+    s.num_computed_tokens = len(tokens)
+    bm.cache_full_blocks(s)
+    return s
+
+
+def test_cache_salt_partitions_the_prefix_cache():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    a = _cached(range(10), "a", "tenant-a", bm)
+    same = Sequence("b", list(range(10)), SamplingParams(), cache_salt="tenant-a")
+    assert bm.match_prefix(same) == a.block_table[:2]
+    for other in ("tenant-b", None):  # another tenant, or no salt: never a hit
+        assert bm.match_prefix(Sequence("c", list(range(10)), SamplingParams(),
+                                        cache_salt=other)) == []
+    unsalted = _cached(range(10), "d", None, bm)  # cached apart, under its own keys
+    assert bm.match_prefix(seq(range(10), "e")) == unsalted.block_table[:2]
+    assert set(unsalted.block_table[:2]).isdisjoint(a.block_table[:2])
+
+
+def test_cache_salt_is_checked_even_when_hashes_collide(monkeypatch):
+    import engine.block_manager as block_manager
+
+    # every block hashes alike: only the stored tokens and salt can tell them apart
+    monkeypatch.setattr(block_manager, "chain_hash", lambda parent, tokens: hash(tokens))
+    bm = BlockManager(num_blocks=16, block_size=4)
+    a = _cached(range(10), "a", "tenant-a", bm)
+    assert bm.match_prefix(Sequence("b", list(range(10)), SamplingParams(),
+                                    cache_salt="tenant-b")) == []
+    assert bm.match_prefix(Sequence("c", list(range(10)), SamplingParams(),
+                                    cache_salt="tenant-a")) == a.block_table[:2]
