@@ -2,6 +2,12 @@
 
 Invalid settings raise `InvalidRequestError` naming the field (`param`), at construction,
 before anything is scheduled.
+
+Sampling runs in float32, where 1e-300 is 0: values too small to represent are given a meaning
+that needs no such number. A temperature below MIN_TEMPERATURE is greedy; a top_p below
+MIN_TOP_P is raised to it, which keeps the same nucleus (the top token alone: its probability is
+at least 1 / vocabulary size > MIN_TOP_P); a repetition_penalty below MIN_REPETITION_PENALTY
+(dividing logits by it would overflow) is refused.
 """
 
 from __future__ import annotations
@@ -11,12 +17,15 @@ from dataclasses import dataclass, field
 from engine.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
+MIN_TEMPERATURE = 1e-5  # below: greedy (as vLLM's _SAMPLING_EPS)
+MIN_TOP_P = 1e-6  # below: the same nucleus as at MIN_TOP_P, the top token alone
+MIN_REPETITION_PENALTY = 0.01
 
 
 @dataclass
 class SamplingParams:
     max_tokens: int | None = 16  # None: until eos, a stop token or the context length
-    temperature: float = 1.0  # 0 means greedy
+    temperature: float = 1.0  # 0 (or below MIN_TEMPERATURE) means greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: disabled
     min_p: float = 0.0
@@ -46,8 +55,10 @@ class SamplingParams:
             value = getattr(self, name)
             _check(_is_number(value) and -2 <= value <= 2, name,
                    f"must be in [-2, 2], got {value!r}")
-        _check(_is_number(self.repetition_penalty) and self.repetition_penalty > 0,
-               "repetition_penalty", f"must be > 0, got {self.repetition_penalty!r}")
+        _check(_is_number(self.repetition_penalty)
+               and self.repetition_penalty >= MIN_REPETITION_PENALTY, "repetition_penalty",
+               f"must be >= {MIN_REPETITION_PENALTY}, got {self.repetition_penalty!r}")
+        self.top_p = max(self.top_p, MIN_TOP_P)
         _check(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)
                                      and -2 ** 63 <= self.seed < 2 ** 63), "seed",
                f"must be a 64-bit signed integer, got {self.seed!r}")
@@ -66,7 +77,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < MIN_TEMPERATURE or self.top_k == 1
 
     @property
     def has_penalties(self) -> bool:
