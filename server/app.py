@@ -18,7 +18,8 @@ from engine import LLMEngine
 from server import errors
 from server.generation import respond
 from server.metrics import CONTENT_TYPE_LATEST
-from server.middleware import AccessMiddleware, AuthMiddleware, BodyLimitMiddleware
+from server.middleware import (AccessMiddleware, AuthMiddleware, BodyLimitMiddleware,
+                               ConnectionCapMiddleware)
 from server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from server.renderers import ChatRenderer, CompletionRenderer
 from server.state import ServerState
@@ -48,24 +49,39 @@ def _lifespan(state: ServerState, engine: LLMEngine | None):
     return lifespan
 
 
+def create_metrics_app(state: ServerState) -> FastAPI:
+    """The app of `server.metrics_port`: /metrics alone, for a port that only the scraper
+    reaches (an internal interface), with no API key."""
+    app = FastAPI(title="specserve metrics", docs_url=None, redoc_url=None, openapi_url=None)
+    errors.install(app)
+    _add_metrics_route(app, state)
+    return app
+
+
+def _add_metrics_route(app: FastAPI, state: ServerState) -> None:
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
 def _add_probe_routes(app: FastAPI, state: ServerState) -> None:
-    @app.get("/health")
+    """/health and /ready (GET and HEAD); /metrics too unless it has its own port."""
+    if state.config.server.metrics_port is None:
+        _add_metrics_route(app, state)
+
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         if state.load_error or (state.client is not None and not state.client.alive):
             return errors.error_response(503, "the engine is not running", None, "engine_dead")
         return {"status": "ok"}
 
-    @app.get("/ready")
+    @app.api_route("/ready", methods=["GET", "HEAD"])
     async def ready():
         if state.ready:
             return {"status": "ready", "model": state.model_name}
         reason = ("draining" if state.draining else "failed" if state.load_error
                   else "loading")
         return errors.error_response(503, f"not ready: {reason}", None, reason)
-
-    @app.get("/metrics")
-    async def metrics():
-        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
 def _add_api_routes(app: FastAPI, state: ServerState) -> None:
@@ -91,4 +107,5 @@ def _add_middleware(app: FastAPI, state: ServerState) -> None:
     if cfg.cors_allow_origins:
         app.add_middleware(CORSMiddleware, allow_origins=cfg.cors_allow_origins,
                            allow_methods=["*"], allow_headers=["*"])
+    app.add_middleware(ConnectionCapMiddleware, retry_after_s=cfg.retry_after_s)
     app.add_middleware(AccessMiddleware, metrics=state.metrics)

@@ -23,8 +23,23 @@ class ServerConfig(BaseModel):
     max_n: int = Field(default=8, ge=1)
     max_body_bytes: int = Field(default=4 << 20, ge=1024)  # beyond it: 413
     drain_timeout_s: float = Field(default=30.0, ge=0)  # SIGTERM: finish in-flight for so long
-    retry_after_s: int = Field(default=1, ge=1)
+    retry_after_s: int = Field(default=1, ge=1)  # the least Retry-After of a 429 or 503
     log_level: str = "info"
+    # Tenants: a request without `cache_salt` gets one derived from its API key, so tenants
+    # never share prefix-cache blocks (a shared block answers faster: a timing side channel).
+    # False: requests without a salt share the cache across keys, on purpose.
+    cache_salt_per_api_key: bool = True
+    # /metrics on its own port (bind it to an internal interface); None: on the API port,
+    # behind the API key when keys are configured
+    metrics_port: Optional[int] = Field(default=None, ge=0, le=65535)
+    metrics_host: Optional[str] = None  # default: `host`
+    # HTTP limits (server/http.py), per request unless said otherwise
+    max_header_bytes: int = Field(default=64 << 10, ge=1024)  # request line + headers: 431
+    max_request_line_bytes: int = Field(default=8 << 10, ge=256)  # method, target, version: 414
+    header_timeout_s: float = Field(default=10.0, gt=0)  # first byte to end of headers: 408
+    body_timeout_s: float = Field(default=60.0, gt=0)  # end of headers to end of body: 408
+    keep_alive_timeout_s: float = Field(default=5.0, gt=0)  # idle between requests: closed
+    max_connections: int = Field(default=1024, ge=1)  # open connections; beyond: 503
 
 
 class AppConfig(BaseModel):
@@ -45,6 +60,8 @@ ENV = {
     "MAX_WAITING_REQUESTS": ("server", "max_waiting_requests", int),
     "DRAIN_TIMEOUT_S": ("server", "drain_timeout_s", float),
     "LOG_LEVEL": ("server", "log_level", str),
+    "METRICS_PORT": ("server", "metrics_port", int),
+    "MAX_CONNECTIONS": ("server", "max_connections", int),
     "MODEL": ("engine", "model", str), "DEVICE": ("engine", "device", str),
     "DTYPE": ("engine", "dtype", str), "MODEL_CACHE": ("engine", "model_cache_dir", str),
     "KV_CACHE_MEMORY_GB": ("engine", "kv_cache_memory_gb", float),

@@ -10,9 +10,11 @@ and nothing else. Must not touch a `Sequence`.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 
 from engine import LLMEngine, RequestOutput, SamplingParams
@@ -45,8 +47,15 @@ class EngineClient:
         self._streams: dict[str, _Stream] = {}  # touched by the engine thread only
         self._thread = threading.Thread(target=self._run, name="specserve-engine", daemon=True)
         self.error: BaseException | None = None
-        self.num_in_flight = 0  # requests added and not yet finished (event-loop side)
-        self.num_running = 0  # snapshot published by the engine thread after each step
+        # event-loop side: requests submitted, and those submitted and not yet finished
+        self.num_submitted = 0
+        self.num_in_flight = 0
+        self._finish_times: collections.deque[float] = collections.deque(maxlen=64)
+        # engine-thread side, published after each step: submissions taken in, queue lengths
+        self._num_taken = 0
+        self.num_running = 0
+        self.num_waiting = 0
+        self.max_num_seqs = engine.scheduler.config.max_num_seqs
         self.step_listeners: list = []  # callables(engine, outputs) run in the engine thread
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -62,15 +71,42 @@ class EngineClient:
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
 
+    # -- admission (event loop side) ---------------------------------------------------------
+    @property
+    def num_queued(self) -> int:
+        """Requests that wait for a running slot at this moment, from this client's own counts.
+
+        In flight beyond `max_num_seqs` wait; a burst first fills the free running slots, even
+        before the engine thread has taken it in. Once the engine has a queue of its own (the KV
+        pool, not the slots, is what binds), every request it has not taken in joins it."""
+        beyond_slots = max(0, self.num_in_flight - self.max_num_seqs)
+        if self.num_waiting:
+            return max(beyond_slots, self.num_waiting + self.num_submitted - self._num_taken)
+        return beyond_slots
+
+    def drain_rate(self) -> float | None:
+        """Requests finished per second lately (the last 64), or None before two finished."""
+        times = self._finish_times
+        if len(times) < 2 or times[-1] <= times[0]:
+            return None
+        return (len(times) - 1) / (times[-1] - times[0])
+
+    def _finished(self) -> None:
+        self.num_in_flight -= 1
+        self._finish_times.append(time.monotonic())
+
     # -- requests (event loop side) ----------------------------------------------------------
-    def submit(self, request_id: str, prompt_ids: list[int],
-               params: SamplingParams) -> "RequestStream":
-        """Queue a request now (it counts as in flight at once); iterate the result for outputs."""
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+               cache_salt: str | None = None) -> "RequestStream":
+        """Queue a request now (it counts as in flight at once); iterate the result for outputs.
+
+        `cache_salt`: the prefix-cache partition (the tenant) of the request."""
         if not self.alive:
             raise EngineDeadError("the engine is not running")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self.num_submitted += 1
         self.num_in_flight += 1
-        self._inbox.put(("add", request_id, prompt_ids, params, stream))
+        self._inbox.put(("add", request_id, prompt_ids, params, cache_salt, stream))
         self._wake.set()
         return RequestStream(self, request_id, stream)
 
@@ -107,9 +143,11 @@ class EngineClient:
             except queue.Empty:
                 return
             if msg[0] == "add":
-                _, rid, prompt_ids, params, stream = msg
+                _, rid, prompt_ids, params, cache_salt, stream = msg
+                self._num_taken += 1
                 try:
-                    self.engine.add_request(prompt_ids, params, request_id=rid)
+                    self.engine.add_request(prompt_ids, params, request_id=rid,
+                                            cache_salt=cache_salt)
                 except ValueError as exc:  # validated before, but never take the loop down
                     stream.put(exc)
                     continue
@@ -149,6 +187,7 @@ class EngineClient:
 
     def _publish(self, outputs: list[RequestOutput] = ()) -> None:
         self.num_running = self.engine.num_running
+        self.num_waiting = self.engine.num_waiting
         for listener in self.step_listeners:
             listener(self.engine, outputs)
 
@@ -186,7 +225,7 @@ class RequestStream:
         if self._closed:
             return
         self._closed = True
-        self.client.num_in_flight -= 1
+        self.client._finished()
         if not self.finished:
             self.client.abort(self.request_id)
 

@@ -26,7 +26,7 @@ from server.errors import APIError
 from server.protocol import new_id
 from server.renderers import Renderer, usage
 from server.state import ServerState
-from server.validation import check_accepting, check_model
+from server.validation import cache_salt, check_accepting, check_model
 
 log = logging.getLogger("specserve.server")
 
@@ -41,7 +41,8 @@ async def respond(state: ServerState, request: Request, req, prepare: Prepare,
     check_model(state, req.model)
     prompt_ids, params = prepare(state, req)
     renderer = renderer_cls.for_request(state.tokenizer, req)
-    gen = Generation.submit(state, renderer, req, prompt_ids, params)
+    gen = Generation.submit(state, renderer, req, prompt_ids, params,
+                            cache_salt(state, request, req))
     if req.stream:
         return stream_response(gen.events())
     return await run_until_done_or_disconnect(request, gen.response())
@@ -55,6 +56,7 @@ class ChoiceState:
     detok: IncrementalDetokenizer
     stops: StopChecker
     num_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache served (the engine's count)
     drafted: int = 0
     accepted: int = 0
     finish_reason: str | None = None
@@ -67,6 +69,7 @@ class ChoiceState:
             raise APIError(503, "the request was aborted: the server is shutting down", None,
                            "aborted")
         self.num_tokens = len(out.output_token_ids)
+        self.num_cached_tokens = out.num_cached_tokens
         self.drafted, self.accepted = out.num_drafted_tokens, out.num_accepted_tokens
         delta = self.detok.add(out.new_token_ids)
         if out.finished:
@@ -103,11 +106,12 @@ class Generation:
 
     @classmethod
     def submit(cls, state: ServerState, renderer: Renderer, req, prompt_ids: list[int],
-               params: list[SamplingParams]) -> Generation:
-        """Queue one engine request per choice, now (so the queue-length check sees them)."""
+               params: list[SamplingParams], salt: str | None) -> Generation:
+        """Queue one engine request per choice, now (so the queue-length check sees them);
+        `salt` is their prefix-cache partition."""
         # never the client's X-Request-Id: two requests sending the same one must not collide
         completion_id = new_id(renderer.id_prefix)
-        streams = [state.client.submit(f"{completion_id}-{i}", prompt_ids, p)
+        streams = [state.client.submit(f"{completion_id}-{i}", prompt_ids, p, salt)
                    for i, p in enumerate(params)]
         choices = [ChoiceState(i, IncrementalDetokenizer(state.tokenizer), StopChecker(req.stop))
                    for i in range(req.n)]

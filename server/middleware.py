@@ -1,5 +1,5 @@
 """Pure ASGI middleware: request id with access log and HTTP metrics, API-key auth, body size
-limit.
+limit, the connection cap's 503.
 
 Pure ASGI (not Starlette's BaseHTTPMiddleware, which breaks disconnect detection for streams):
 each wraps `send`/`receive` and passes everything else through untouched.
@@ -7,6 +7,7 @@ each wraps `send`/`receive` and passes everything else through untouched.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 import logging
@@ -17,12 +18,14 @@ from typing import TYPE_CHECKING
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.errors import error_body
+from server.http import OVER_CAPACITY, TIMED_OUT
 
 if TYPE_CHECKING:
     from server.metrics import Metrics
 
 log = logging.getLogger("specserve.access")
-OPEN_PATHS = ("/health", "/ready", "/metrics", "/docs", "/openapi.json", "/redoc")
+OPEN_PATHS = ("/health", "/ready", "/docs", "/openapi.json", "/redoc")
+TENANT = "specserve.tenant"  # scope["state"] key: who the API key says sent the request
 
 
 async def send_json(send, status: int, body: dict, headers: list | None = None) -> None:
@@ -60,7 +63,13 @@ class AccessMiddleware:
             return await self.app(scope, receive, send)
         incoming = _header(scope, b"x-request-id")
         request_id = incoming if incoming and len(incoming) <= 128 else uuid.uuid4().hex
-        started, status = time.perf_counter(), [0]
+        started, status, left = time.perf_counter(), [0], [False]
+
+        async def watching_receive():
+            message = await receive()
+            if message["type"] == "http.disconnect" and not status[0]:
+                left[0] = True  # whatever the app answers now, nobody reads it
+            return message
 
         async def send_with_id(message):
             if message["type"] == "http.response.start":
@@ -71,9 +80,11 @@ class AccessMiddleware:
             await send(message)
 
         try:
-            await self.app(scope, receive, send_with_id)
+            await self.app(scope, watching_receive, send_with_id)
         finally:
-            self._record(scope["method"], scope["path"], request_id, status[0],
+            # 408: server.http timed the body out; 499 (nginx's): the client left first
+            code = 408 if scope.get(TIMED_OUT) else 499 if left[0] else status[0]
+            self._record(scope["method"], scope["path"], request_id, code,
                          time.perf_counter() - started)
 
     def _record(self, method: str, path: str, request_id: str, status: int,
@@ -85,11 +96,17 @@ class AccessMiddleware:
 
 
 class AuthMiddleware:
-    """`Authorization: Bearer KEY` on /v1 routes when keys are configured (constant-time)."""
+    """`Authorization: Bearer KEY` on every route but the probes and docs when keys are
+    configured (constant-time); /metrics included, so it is not public.
+
+    The key's tenant id (a hash of the key, never the key) goes to scope["state"][TENANT]:
+    the prefix cache is partitioned by it."""
 
     def __init__(self, app, api_keys: list[str]) -> None:
         self.app = app
         self.keys = [k.encode() for k in api_keys]
+        self.tenants = [hashlib.sha256(b"specserve-tenant\0" + k).hexdigest()[:32]
+                        for k in self.keys]
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or not self.keys or scope["path"].startswith(OPEN_PATHS):
@@ -97,13 +114,14 @@ class AuthMiddleware:
         header = _header(scope, b"authorization") or ""
         scheme, _, token = header.partition(" ")
         given = token.strip().encode()
-        ok = scheme.lower() == "bearer" and given and any(
-            [hmac.compare_digest(given, key) for key in self.keys])  # no short-circuit
-        if not ok:
+        # every key compared (no short-circuit), so the time says nothing about which matched
+        matches = [hmac.compare_digest(given, key) for key in self.keys]
+        if scheme.lower() != "bearer" or not given or not any(matches):
             message = ("missing API key: send Authorization: Bearer <key>" if not header
                        else "invalid API key")
             return await send_json(send, 401, error_body(401, message, None, "invalid_api_key"),
                                    [(b"www-authenticate", b"Bearer")])
+        scope.setdefault("state", {})[TENANT] = self.tenants[matches.index(True)]
         return await self.app(scope, receive, send)
 
 
@@ -154,3 +172,23 @@ class BodyLimitMiddleware:
     async def _reject(self, send):
         exc = BodyTooLarge(self.max_bytes)
         await send_json(send, 413, error_body(413, exc.detail, None, exc.code))
+
+
+class ConnectionCapMiddleware:
+    """An OpenAI-shaped 503 that closes the connection, for requests server.http marked as over
+    the connection cap. Probes are answered anyway: a flood must not make the liveness probe
+    restart a healthy server."""
+
+    PROBES = ("/health", "/ready")
+
+    def __init__(self, app, retry_after_s: int) -> None:
+        self.app, self.retry_after_s = app, retry_after_s
+
+    async def __call__(self, scope, receive, send):
+        if (scope["type"] != "http" or not scope.get(OVER_CAPACITY)
+                or scope["path"] in self.PROBES):
+            return await self.app(scope, receive, send)
+        body = error_body(503, "too many open connections; retry later", None,
+                          "too_many_connections")
+        await send_json(send, 503, body, [(b"retry-after", str(self.retry_after_s).encode()),
+                                          (b"connection", b"close")])

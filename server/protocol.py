@@ -66,6 +66,8 @@ class _SamplingFields(_Request):
     stream_options: Optional[StreamOptions] = None
     speculative: Optional[bool] = None  # extra: false opts this request out of speculation
     ignore_eos: bool = False  # extra
+    # extra, as in vLLM: requests share prefix-cache blocks only with equal salts
+    cache_salt: Optional[str] = Field(default=None, min_length=1, max_length=256)
 
     @field_validator("stop")
     @classmethod

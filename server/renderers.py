@@ -26,7 +26,8 @@ def envelope(object_: str, completion_id: str, model: str, choices: list[dict],
 def usage(prompt_len: int, choices: list[ChoiceState]) -> dict:
     completion = sum(c.num_tokens for c in choices)
     body = {"prompt_tokens": prompt_len, "completion_tokens": completion,
-            "total_tokens": prompt_len + completion}
+            "total_tokens": prompt_len + completion,
+            "prompt_tokens_details": {"cached_tokens": max(c.num_cached_tokens for c in choices)}}
     drafted = sum(c.drafted for c in choices)
     if drafted:
         body["speculative"] = {"drafted_tokens": drafted,

@@ -1,4 +1,5 @@
-"""Running the app: uvicorn, and a drain on SIGTERM/SIGINT before exiting 0.
+"""Running the app: uvicorn with the HTTP limits of server.http, /metrics on its own port when
+configured, and a drain on SIGTERM/SIGINT before exiting 0.
 
 Must not touch the routes nor the engine beyond EngineClient's counters and abort.
 """
@@ -12,8 +13,9 @@ import time
 import uvicorn
 
 from engine import LLMEngine
-from server.app import create_app
-from server.config import AppConfig
+from server.app import create_app, create_metrics_app
+from server.config import AppConfig, ServerConfig
+from server.http import HttpLimits, uvicorn_options
 from server.state import ServerState
 
 log = logging.getLogger("specserve.server")
@@ -24,11 +26,21 @@ def serve(config: AppConfig, engine: LLMEngine | None = None) -> None:
     logging.basicConfig(level=config.server.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     state = ServerState(config)
-    app = create_app(state, engine)
-    uv_config = uvicorn.Config(app, host=config.server.host, port=config.server.port,
-                               log_level=config.server.log_level, access_log=False,
-                               timeout_graceful_shutdown=5)
-    DrainingServer(uv_config, state).run()
+    cfg = config.server
+    api = _uvicorn_config(create_app(state, engine), cfg, cfg.host, cfg.port, "auto")
+    side = []
+    if cfg.metrics_port is not None:  # the engine's lifespan belongs to the API app alone
+        side.append(uvicorn.Server(_uvicorn_config(
+            create_metrics_app(state), cfg, cfg.metrics_host or cfg.host, cfg.metrics_port,
+            "off")))
+    DrainingServer(api, state, side).run()
+
+
+def _uvicorn_config(app, cfg: ServerConfig, host: str, port: int,
+                    lifespan: str) -> uvicorn.Config:
+    return uvicorn.Config(app, host=host, port=port, log_level=cfg.log_level, access_log=False,
+                          timeout_graceful_shutdown=5, lifespan=lifespan,
+                          **uvicorn_options(HttpLimits.of(cfg)))
 
 
 class DrainingServer(uvicorn.Server):
@@ -36,12 +48,24 @@ class DrainingServer(uvicorn.Server):
     finish for up to drain_timeout_s, abort the rest, then shut down and exit 0.
 
     It replaces uvicorn's own handler, which would shut down at once (and make sse-starlette
-    cancel every open stream)."""
+    cancel every open stream). `side` servers (the metrics port) run on the same loop and stop
+    after it."""
 
-    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+    def __init__(self, config: uvicorn.Config, state: ServerState,
+                 side: list[uvicorn.Server] = ()) -> None:
         super().__init__(config)
         self.state = state
+        self.side = list(side)
         self._drain_task: asyncio.Task | None = None
+
+    async def serve(self, sockets=None) -> None:
+        side = [asyncio.create_task(server._serve()) for server in self.side]  # no signals
+        try:
+            await super().serve(sockets)
+        finally:
+            for server in self.side:
+                server.should_exit = True
+            await asyncio.gather(*side, return_exceptions=True)
 
     def handle_exit(self, sig, frame) -> None:  # a signal handler, in the main thread
         if self.state.draining:  # a second signal: stop now

@@ -9,9 +9,12 @@ template and the completion prompt's shapes. Must not touch a `Sequence` nor sub
 
 from __future__ import annotations
 
+import math
+
 from engine import InvalidRequestError, SamplingParams
 from engine.sample.keys import choice_seed
 from server.errors import APIError
+from server.middleware import TENANT
 from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.state import ServerState
 
@@ -23,11 +26,34 @@ def check_accepting(state: ServerState) -> None:
     if state.client is None or not state.client.alive:
         message = "the model is still loading" if state.load_error is None else "engine failed"
         raise APIError(503, message, None, "not_ready", retry)
-    client = state.client
-    queued = client.num_in_flight - client.num_running
-    if queued >= state.config.server.max_waiting_requests:
+    client, limit = state.client, state.config.server.max_waiting_requests
+    queued = client.num_queued
+    if queued >= limit:
+        retry = {"Retry-After": str(retry_after_s(queued - limit + 1, client.drain_rate(),
+                                                  state.config.server.retry_after_s))}
         raise APIError(429, "too many requests are waiting; retry later", None,
                        "queue_full", retry)
+
+
+def retry_after_s(num_to_drain: int, drain_rate: float | None, least_s: int) -> int:
+    """Seconds until `num_to_drain` requests finish at the measured rate (requests/s), in
+    [least_s, 60]; `least_s` before anything was measured."""
+    if not drain_rate:
+        return least_s
+    return min(60, max(least_s, math.ceil(num_to_drain / drain_rate)))
+
+
+def cache_salt(state: ServerState, request, req) -> str | None:
+    """The request's prefix-cache partition: its own `cache_salt`, else its API key's tenant
+    (set by AuthMiddleware) unless the config shares the cache across keys, else None.
+
+    The prefixes keep the two kinds apart: no request salt can name a key's partition."""
+    if req.cache_salt is not None:
+        return "salt:" + req.cache_salt
+    tenant = request.scope.get("state", {}).get(TENANT)
+    if tenant is not None and state.config.server.cache_salt_per_api_key:
+        return "key:" + tenant
+    return None
 
 
 def check_model(state: ServerState, model: str) -> None:

@@ -132,7 +132,13 @@ def test_k8s_manifests(routes):
     hpa = docs["HorizontalPodAutoscaler"]
     assert hpa["spec"]["scaleTargetRef"]["name"] == dep["metadata"]["name"]
     assert docs["PodMonitor"]["spec"]["podMetricsEndpoints"][0]["path"] == "/metrics"
-    assert docs["PodMonitor"]["spec"]["podMetricsEndpoints"][0]["port"] == "http"
+    # metrics on their own port, scraped on the pods and not exposed by the Service
+    metrics_port = {p["name"]: p["containerPort"] for p in container["ports"]}["metrics"]
+    assert metrics_port == config["server"]["metrics_port"]
+    assert docs["PodMonitor"]["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
+    assert dep["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == str(
+        metrics_port)
+    assert all(p["targetPort"] != "metrics" for p in docs["Service"]["spec"]["ports"])
     claim = pod["volumes"][0]["persistentVolumeClaim"]["claimName"]
     assert claim == docs["PersistentVolumeClaim"]["metadata"]["name"]
     from server.config import AppConfig

@@ -189,6 +189,12 @@ def test_nginx_streams_unbuffered_and_survives_a_replica_kill(model_dir, tmp_pat
     url = f"http://127.0.0.1:{port}"
     try:
         assert wait_ok(url + "/ready", 20), "nginx did not start"
+        # 0. only /v1/, /health and /ready are public: /metrics is scraped on the replicas
+        assert httpx.get(url + "/health").status_code == 200
+        for path in ("/metrics", "/docs", "/openapi.json", "/"):
+            r = httpx.get(url + path)
+            assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error", path
+        assert httpx.get(f"http://127.0.0.1:{replicas[0].port}/metrics").status_code == 200
         # 1. streaming passes through unbuffered: the first chunk long before the last
         body = {"model": MODEL, "messages": HELLO, "max_tokens": 800, "stream": True,
                 "ignore_eos": True}

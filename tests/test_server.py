@@ -401,7 +401,10 @@ def test_auth(model_dir):
         # flags override the environment: k2 is not accepted
         assert httpx.get(url, headers={"Authorization": "Bearer k2"}).status_code == 401
         assert httpx.get(srv.url + "/health").status_code == 200
-        assert httpx.get(srv.url + "/metrics").status_code == 200
+        # /metrics is behind the key: prefix-cache counters are a side channel across tenants
+        assert httpx.get(srv.url + "/metrics").status_code == 401
+        assert httpx.get(srv.url + "/metrics",
+                         headers={"Authorization": "Bearer k1"}).status_code == 200
         c = openai.OpenAI(base_url=srv.url + "/v1", api_key="k1", max_retries=0)
         assert c.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2).choices
         with pytest.raises(openai.AuthenticationError):
