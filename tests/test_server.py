@@ -427,8 +427,8 @@ def test_queue_full_gets_429_with_retry_after(model_dir, tmp_path):
             r = await ac.post(srv.url + "/v1/chat/completions", json=body)
             return r.status_code, r.headers.get("retry-after"), r.json()
 
-        async def main():
-            async with httpx.AsyncClient(timeout=60) as ac:
+        async def main():  # one runs and one waits (300 tokens each): slow on a busy CPU
+            async with httpx.AsyncClient(timeout=300) as ac:
                 return await asyncio.gather(*[one(ac) for _ in range(6)])
 
         results = asyncio.run(main())
