@@ -73,7 +73,8 @@ class LLMEngine:
         models = [model] + ([draft_model] if draft_model is not None else [])
         num_blocks = config.num_blocks or self._blocks_for_memory(models)
         self.runner = ModelRunner(model, num_blocks, config.block_size,
-                                  cpu_matmul_autotune=config.cpu_matmul_autotune)
+                                  cpu_matmul_autotune=config.cpu_matmul_autotune,
+                                  batch_invariant=config.batch_invariant)
         self.vocab_size = self.runner.shape.vocab_size
         self.block_manager = BlockManager(num_blocks, config.block_size,
                                           config.enable_prefix_caching)

@@ -56,12 +56,22 @@ class StepLogits:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int,
                  backend: paged.AttentionBackend | None = None,
-                 cpu_matmul_autotune: bool = False) -> None:
+                 cpu_matmul_autotune: bool = False, batch_invariant: bool = False) -> None:
+        """batch_invariant: measure and install the rule of engine/kernels/batch_invariant.py
+        (a row's logits never depend on the other rows of the step); it replaces the CPU
+        matmul autotune, whose few-row forms change the reduction with the row count."""
         if getattr(model.config, "is_encoder_decoder", False):
             raise ValueError("only decoder-only causal language models are supported")
         model.set_attn_implementation(paged.register())
         self.model = model.eval()
-        if cpu_matmul_autotune:
+        self.invariance = None
+        if batch_invariant:
+            from engine.kernels.batch_invariant import make_batch_invariant
+
+            self.invariance = make_batch_invariant(model)
+            backend = backend or paged.SDPABackend(self.invariance.grouped_attention,
+                                                   self.invariance.query_rows)
+        elif cpu_matmul_autotune:
             from engine.kernels.linear import autotune_linears
 
             autotune_linears(model)

@@ -62,7 +62,9 @@ class ServerState:
             k_max=spec.k_max, adaptive=spec.adaptive, dtype=engine_config.dtype,
             device=str(self.engine.device), block_size=engine_config.block_size,
             num_blocks=self.engine.block_manager.num_blocks,
-            max_model_len=self.engine.max_model_len)
+            max_model_len=self.engine.max_model_len,
+            batch_invariant=bool(self.engine.runner.invariance
+                                 and self.engine.runner.invariance.invariant))
 
 
 def _model_name(model: str) -> str:

@@ -55,6 +55,8 @@ class AttentionMetadata:
     short_mask: torch.Tensor | None = None  # [B, 1, q_max, kv_max] bool, True = attend
     short_valid: torch.Tensor | None = None  # [B, q_max] bool, False on padding
     long_spans: list[LongSpan] = field(default_factory=list)
+    # ungrouped short queries: (row of the flattened batch, [p + 1] cache slots it attends to)
+    lone_rows: list[tuple[int, torch.Tensor]] = field(default_factory=list)
 
 
 class AttentionBackend(ABC):
@@ -71,6 +73,14 @@ class AttentionBackend(ABC):
 
 
 class SDPABackend(AttentionBackend):
+    """PyTorch SDPA. Short queries (decode, verification) run as one padded group, unless
+    `grouped` is False (batch invariance where the group is not invariant, see
+    engine/kernels/batch_invariant.py): then each short query row runs alone, repeated to
+    `query_rows` rows, over exactly the keys it attends to."""
+
+    def __init__(self, grouped: bool = True, query_rows: int = 1) -> None:
+        self.grouped, self.query_rows = grouped, query_rows
+
     def build_metadata(self, spans, slot_mapping, block_size, device):
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device))
@@ -78,8 +88,10 @@ class SDPABackend(AttentionBackend):
         for s in spans:
             if s.q_len > SHORT_QUERY_MAX:
                 meta.long_spans.append(self._long_span(s, block_size, device))
-        if short:
+        if short and self.grouped:
             self._short_group(meta, short, block_size, device)
+        elif short:
+            meta.lone_rows = [row for s in short for row in _lone_rows(s, block_size, device)]
         return meta
 
     @staticmethod
@@ -126,6 +138,12 @@ class SDPABackend(AttentionBackend):
                                                scale=scaling, enable_gqa=True)
             o = o.transpose(1, 2)  # [B, q_max, heads, head_dim]
             out[meta.short_q_index[meta.short_valid]] = o[meta.short_valid]
+        for row, kv_slots in meta.lone_rows:
+            qs = q[row][None].expand(self.query_rows, -1, -1).transpose(0, 1)[None]
+            ks = k_cache[kv_slots].transpose(0, 1)[None]  # [1, kv_heads, p + 1, head_dim]
+            vs = v_cache[kv_slots].transpose(0, 1)[None]
+            o = F.scaled_dot_product_attention(qs, ks, vs, scale=scaling, enable_gqa=True)
+            out[row] = o[0, :, 0]
         for span in meta.long_spans:
             rows = slice(span.q_start, span.q_start + span.q_len)
             qs = query[:, :, rows]  # [1, heads, q_len, head_dim]
@@ -140,6 +158,13 @@ class SDPABackend(AttentionBackend):
                                                    scale=scaling, enable_gqa=True)
             out[rows] = o[0].transpose(0, 1)
         return out[None]  # [1, num_tokens, heads, head_dim]
+
+
+def _lone_rows(s: SeqSpan, block_size: int,
+               device: torch.device) -> list[tuple[int, torch.Tensor]]:
+    slots = _slots(torch.tensor([s.block_table], device=device), block_size)[0]
+    first = s.ctx_len - s.q_len  # position of the span's first query
+    return [(s.q_start + j, slots[:first + j + 1]) for j in range(s.q_len)]
 
 
 def _slots(block_tables: torch.Tensor, block_size: int) -> torch.Tensor:
