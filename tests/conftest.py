@@ -83,3 +83,40 @@ def smollm2_path():
     from engine.models.recipes import fetch
 
     return str(fetch("smollm2-135m-instruct"))
+
+
+def third_tokens(engine, prompt, params_list, batch=64):
+    """The 3rd generated token of `prompt` under each SamplingParams (in batches)."""
+    import numpy as np
+
+    tokens = []
+    for lo in range(0, len(params_list), batch):
+        chunk = params_list[lo:lo + batch]
+        outs = engine.generate([prompt] * len(chunk), chunk)
+        tokens += [o.output_token_ids[2] for o in outs]
+    return np.array(tokens)
+
+
+def same_distribution_pvalue(a, b) -> float:
+    """Two-sample chi-square over tokens seen at least 10 times in total; the rest pooled."""
+    import numpy as np
+    from scipy import stats
+
+    values = np.union1d(a, b)
+    table = np.array([[np.sum(a == v), np.sum(b == v)] for v in values])
+    common = table.sum(1) >= 10
+    table = np.vstack([table[common], table[~common].sum(0, keepdims=True)])
+    table = table[table.sum(1) > 0]
+    return stats.chi2_contingency(table)[1]
+
+
+def distribution_pair():
+    """A 1-layer target with spread-out distributions, a draft that agrees with it partly, and
+    a prompt: the setting of the engine-level distribution tests."""
+    target = build_tiny_model("qwen2", num_layers=1)
+    with torch.no_grad():  # flatter logits: a spread-out distribution to compare
+        target.lm_head.weight.mul_(0.25)
+    draft = build_tiny_model("qwen2", seed=3, num_layers=1)
+    with torch.no_grad():
+        draft.lm_head.weight.copy_(target.lm_head.weight * 0.8 + draft.lm_head.weight * 0.05)
+    return target, draft, random_prompts([6], seed=2)[0]

@@ -4,12 +4,11 @@ A seeded request's tokens are a function of (seed, prompt, sampling settings) al
 with speculation off, with a draft model or n-gram drafts, at any k, alone or in a batch.
 """
 
-import numpy as np
 import pytest
 import torch
-from scipy import stats
 
-from conftest import build_tiny_model, clone_model, random_prompts
+from conftest import (build_tiny_model, clone_model, distribution_pair, random_prompts,
+                      same_distribution_pvalue, third_tokens)
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.config import SpeculativeConfig
 from engine.sample import keys, sampler
@@ -165,45 +164,21 @@ def test_noise_of_a_position_does_not_depend_on_earlier_drafts(pair, monkeypatch
         assert all(torch.equal(row, expected) for row in seen[key]), t
 
 
-def _third_tokens(engine, prompt, params_list, batch=64):
-    tokens = []
-    for lo in range(0, len(params_list), batch):
-        chunk = params_list[lo:lo + batch]
-        outs = engine.generate([prompt] * len(chunk), chunk)
-        tokens += [o.output_token_ids[2] for o in outs]
-    return np.array(tokens)
-
-
-def _chi2_same_distribution(a, b) -> float:
-    values = np.union1d(a, b)
-    table = np.array([[np.sum(a == v), np.sum(b == v)] for v in values])
-    common = table.sum(1) >= 10
-    table = np.vstack([table[common], table[~common].sum(0, keepdims=True)])
-    table = table[table.sum(1) > 0]
-    return stats.chi2_contingency(table)[1]
-
-
 def test_coupled_engine_keeps_the_target_distribution():
     """Seeded rows (coupled) over many seeds, and unseeded rows in the same batches (rejection
     sampling), both have the distribution of plain decoding."""
-    target = build_tiny_model("qwen2", num_layers=1)
-    with torch.no_grad():
-        target.lm_head.weight.mul_(0.25)
-    draft = build_tiny_model("qwen2", seed=3, num_layers=1)
-    with torch.no_grad():
-        draft.lm_head.weight.copy_(target.lm_head.weight * 0.8 + draft.lm_head.weight * 0.05)
-    prompt = random_prompts([6], seed=2)[0]
+    target, draft, prompt = distribution_pair()
     n = 2000
 
     def params(seed):
         return SamplingParams(temperature=1.0, max_tokens=4, seed=seed, ignore_eos=True)
 
     unseeded = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)
-    plain = _third_tokens(make_engine(target, max_num_seqs=64), prompt,
+    plain = third_tokens(make_engine(target, max_num_seqs=64), prompt,
                           [params(s) for s in range(n)] + [unseeded] * n)
     engine = make_engine(target, "draft_model", draft, k_max=3, max_num_seqs=64)
     mixed = [p for s in range(n, 2 * n) for p in (params(s), unseeded)]
-    spec = _third_tokens(engine, prompt, mixed)
+    spec = third_tokens(engine, prompt, mixed)
     assert 0.05 < engine.speculator.stats.acceptance_rate < 0.99
-    assert _chi2_same_distribution(plain[:n], spec[0::2]) > 0.001  # seeded, coupled
-    assert _chi2_same_distribution(plain[n:], spec[1::2]) > 0.001  # unseeded, rejection
+    assert same_distribution_pvalue(plain[:n], spec[0::2]) > 0.001  # seeded, coupled
+    assert same_distribution_pvalue(plain[n:], spec[1::2]) > 0.001  # unseeded, rejection

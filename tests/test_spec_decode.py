@@ -2,12 +2,10 @@
 
 import copy
 
-import numpy as np
 import pytest
-import torch
-from scipy import stats
 
-from conftest import build_tiny_model, clone_model, random_prompts
+from conftest import (build_tiny_model, clone_model, distribution_pair, random_prompts,
+                      same_distribution_pvalue, third_tokens)
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.config import SpeculativeConfig
 from engine.spec_decode.adaptive import CostTable, KController, expected_tokens
@@ -84,24 +82,9 @@ def test_greedy_with_penalties_and_stop_inside_accepted_runs():
     assert all(len(o.output_token_ids) == 7 + i for i, o in enumerate(spec))
 
 
-def _third_tokens(engine, prompt, params_for_seed, seeds, batch=64):
-    tokens = []
-    for lo in range(0, len(seeds), batch):
-        chunk = seeds[lo:lo + batch]
-        outs = engine.generate([prompt] * len(chunk), [params_for_seed(s) for s in chunk])
-        tokens += [o.output_token_ids[2] for o in outs]
-    return np.array(tokens)
-
-
 @pytest.mark.parametrize("top_p,stop_confidence", [(1.0, 0.0), (0.9, 0.0), (1.0, 0.003)])
 def test_sampled_distribution_matches_plain_engine(top_p, stop_confidence):
-    target = build_tiny_model("qwen2", num_layers=1)
-    with torch.no_grad():  # flatter logits: a spread-out distribution to compare
-        target.lm_head.weight.mul_(0.25)
-    draft = build_tiny_model("qwen2", seed=3, num_layers=1)
-    with torch.no_grad():
-        draft.lm_head.weight.copy_(target.lm_head.weight * 0.8 + draft.lm_head.weight * 0.05)
-    prompt = random_prompts([6], seed=2)[0]
+    target, draft, prompt = distribution_pair()
     n = 2400
 
     def params(seed):
@@ -110,11 +93,11 @@ def test_sampled_distribution_matches_plain_engine(top_p, stop_confidence):
         return SamplingParams(temperature=1.0, top_p=top_p, max_tokens=4, seed=seed,
                               ignore_eos=True)
 
-    plain = _third_tokens(make_engine(target), prompt, params, list(range(n)))
+    plain = third_tokens(make_engine(target), prompt, [params(s) for s in range(n)])
     # seeded requests verified by rejection sampling (coupled verification has its own test)
     engine = make_engine(target, "draft_model", draft, k_max=3, stop_confidence=stop_confidence,
                          verification="rejection")
-    spec = _third_tokens(engine, prompt, params, list(range(n, 2 * n)))
+    spec = third_tokens(engine, prompt, [params(s) for s in range(n, 2 * n)])
     st = engine.speculator.stats
     assert 0.05 < st.acceptance_rate < 0.99  # drafts were both accepted and rejected
     per_draft = st.num_draft_tokens / st.num_drafts
@@ -122,14 +105,7 @@ def test_sampled_distribution_matches_plain_engine(top_p, stop_confidence):
         assert 1.05 < per_draft < 1.75
     else:
         assert per_draft > 1.75  # 2 drafts, then 1 where the first verification left room
-    # two-sample χ² over tokens seen at least 10 times in total; the rest pooled
-    values = np.union1d(plain, spec)
-    table = np.array([[np.sum(plain == v), np.sum(spec == v)] for v in values])
-    common = table.sum(1) >= 10
-    table = np.vstack([table[common], table[~common].sum(0, keepdims=True)])
-    table = table[table.sum(1) > 0]
-    _, pvalue, _, _ = stats.chi2_contingency(table)
-    assert pvalue > 0.001
+    assert same_distribution_pvalue(plain, spec) > 0.001
 
 
 @pytest.mark.parametrize("num_blocks", [256, 20])
