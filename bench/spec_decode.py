@@ -4,9 +4,11 @@
 greedy, (c) ours at temperature 0.7, seeded, coupled verification (the default), (d)
 transformers `generate(assistant_model=draft)` with the same models and dtypes, (e)-(g) seeded
 sampling at temperature 0.7 with rejection verification and at 1.0 with each (the cost of
-determinism), then a concurrency sweep 1, 2, 4, 8, 16: adaptive speculation vs plain, aggregate
-tokens/s. Cases (a)-(g) run the prompts of bench/prompts/chat.jsonl one at a time (128 new
-tokens each).
+determinism), (h)-(i) plain and speculative greedy with `batch_invariant` off (the cost of
+batch invariance, which every other case has on), then a concurrency sweep 1, 2, 4, 8, 16:
+adaptive speculation vs plain, aggregate tokens/s. Cases (a)-(i) run the prompts of
+bench/prompts/chat.jsonl one at a time (128 new tokens each). Greedy identity: the token ids of
+(b) against (a), and of (i) against (h).
 
     python bench/spec_decode.py [--dtype bfloat16] [--draft-quantization int8] [--quick]
 
@@ -41,20 +43,25 @@ def load_prompts(tok, path):
                                     return_dict=False) for r in rows]
 
 
-def make_engine(target, draft, tok, args, speculative: bool, verification: str = "coupled"):
+def make_engine(target, draft, tok, args, speculative: bool, verification: str = "coupled",
+                batch_invariant: bool = True):
     cfg = SpeculativeConfig(method="draft_model" if speculative else "none", draft_model=DRAFT,
                             k_max=args.k_max, adaptive=True,
                             draft_quantization=args.draft_quantization,
                             verification=verification)
     return LLMEngine(EngineConfig(kv_cache_memory_gb=1.5, max_num_seqs=32,
-                                  max_num_batched_tokens=512, speculative=cfg),
+                                  max_num_batched_tokens=512, speculative=cfg,
+                                  batch_invariant=batch_invariant),
                      model=target, tokenizer=tok, draft_model=draft if speculative else None)
 
 
-def run_one_at_a_time(engine, prompts, params):
+def run_one_at_a_time(engine, prompts, params, outputs: list | None = None):
     tokens, t0 = 0, time.perf_counter()
     for p in prompts:
-        tokens += len(engine.generate([p], params)[0].output_token_ids)
+        ids = engine.generate([p], params)[0].output_token_ids
+        tokens += len(ids)
+        if outputs is not None:
+            outputs.append(ids)
     return tokens, time.perf_counter() - t0
 
 
@@ -118,21 +125,32 @@ def main() -> int:
         prompts, args.max_tokens, args.sweep_max_tokens, levels = prompts[:2], 32, 16, [1, 2]
     greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
 
-    rows = []
-    plain_engine = make_engine(target, None, tok, args, speculative=False)
-    run_one_at_a_time(plain_engine, prompts[:1], SamplingParams(temperature=0, max_tokens=4))
-    rows.append(spec_row("(a) plain, greedy", plain_engine,
-                         *run_one_at_a_time(plain_engine, prompts, greedy)))
-    del plain_engine
-    gc.collect()
-
-    spec_engine = make_engine(target, draft, tok, args, speculative=True)
-    draft_used = spec_engine.speculator.proposer.runner.model  # int8 when quantized
-    rows.append(spec_row("(b) speculative, greedy", spec_engine,
-                         *run_one_at_a_time(spec_engine, prompts, greedy)))
-    ideal = ideal_speedup(spec_engine)
-    del spec_engine
-    gc.collect()
+    rows, outputs = [], {}
+    # greedy, plain and speculative, with batch invariance on (the default) and off; the off
+    # engines get their own copy of the target (the rule is installed on the model it runs)
+    target_off, _ = load_model(TARGET, dtype=args.dtype, device="cpu")
+    ideal = None
+    for case, speculative, invariant in (("(a)", False, True), ("(b)", True, True),
+                                         ("(h)", False, False), ("(i)", True, False)):
+        engine = make_engine(target if invariant else target_off,
+                             draft if speculative else None, tok, args,
+                             speculative=speculative, batch_invariant=invariant)
+        if not speculative:  # warm up
+            run_one_at_a_time(engine, prompts[:1], SamplingParams(temperature=0, max_tokens=4))
+        name = (f"{case} {'speculative' if speculative else 'plain'}, greedy"
+                f"{'' if invariant else ', batch_invariant off'}")
+        outputs[case] = []
+        rows.append(spec_row(name, engine,
+                             *run_one_at_a_time(engine, prompts, greedy, outputs[case])))
+        if case == "(a)":
+            invariance = engine.runner.invariance  # the first engine measured the rule
+        if case == "(b)":
+            draft_used = engine.speculator.proposer.runner.model  # int8 when quantized
+            ideal = ideal_speedup(engine)
+        del engine
+        gc.collect()
+    identical = sum(a == b for a, b in zip(outputs["(a)"], outputs["(b)"]))
+    identical_off = sum(a == b for a, b in zip(outputs["(h)"], outputs["(i)"]))
     # seeded sampling: coupled verification (the default: output identical to plain seeded
     # sampling) against rejection sampling (higher acceptance, output depends on the drafts)
     for case, temperature, verification in (("(c)", 0.7, "coupled"), ("(e)", 0.7, "rejection"),
@@ -148,7 +166,9 @@ def main() -> int:
         gc.collect()
 
     rows.append(spec_row("(d) transformers assisted generation", None,
-                         *hf_assisted(target, draft_used, prompts, args.max_tokens)))
+                         *hf_assisted(target_off, draft_used, prompts, args.max_tokens)))
+    del target_off  # transformers ran the target without our batch-invariance rule
+    gc.collect()
 
     sweep = []
     sweep_params = SamplingParams(temperature=0, max_tokens=args.sweep_max_tokens,
@@ -177,7 +197,11 @@ def main() -> int:
     rows.sort(key=lambda r: r["case"])
     tok_s = {r["case"][:3]: r["tok_s"] for r in rows}
     speedup = tok_s["(b)"] / tok_s["(a)"]
-    result = (f"RESULT speedup_greedy={speedup:.2f} speedup_t07={tok_s['(c)'] / tok_s['(a)']:.2f} "
+    # the cost of batch invariance: tokens/s off over on, the worse of plain and speculative
+    cost_plain, cost_spec = tok_s["(h)"] / tok_s["(a)"], tok_s["(i)"] / tok_s["(b)"]
+    result = (f"RESULT bf16_greedy_identical={identical}/{len(prompts)} "
+              f"invariance_cost={max(cost_plain, cost_spec):.2f} "
+              f"speedup_greedy={speedup:.2f} speedup_t07={tok_s['(c)'] / tok_s['(a)']:.2f} "
               f"vs_hf_assisted={tok_s['(b)'] / tok_s['(d)']:.2f} "
               f"worst_sweep_ratio={min(s['ratio'] for s in sweep):.2f} "
               f"ideal_fraction={speedup / ideal:.2f} "
@@ -196,17 +220,26 @@ def main() -> int:
               f"{s['ratio']:.2f} | {s['mean_k']:.2f} | {s['acceptance']:.2f} |" for s in sweep]
     table = "\n".join(lines)
     print(table)
+    invariance_line = (
+        f"batch invariance: greedy speculative == plain on {identical}/{len(prompts)} prompts "
+        f"with it on, {identical_off}/{len(prompts)} with it off; tokens/s off / on: plain "
+        f"{cost_plain:.2f}, speculative {cost_spec:.2f}; start-up check "
+        f"{invariance.seconds:.2f} s, linear row ranges "
+        f"{sorted(set(invariance.linear_rows.values()), key=str)}, "
+        f"attention {invariance.attention}, invariant={invariance.invariant}")
     print(f"ideal speedup from measured acceptance and step costs: {ideal:.2f}")
+    print(invariance_line)
     print(result)
     write_results(args.out, "Speculative decoding", args.threads, [
         f"target {TARGET} {args.dtype}; draft {DRAFT} {args.dtype}"
         f"{' with int8 weight-only linears' if args.draft_quantization == 'int8' else ''}; "
         f"the same draft object for transformers' assisted generation",
         f"{len(prompts)} chat prompts from {Path(args.prompts).relative_to(ROOT)}, "
-        f"{args.max_tokens} new tokens each, one request at a time for (a)-(g); the sweep "
+        f"{args.max_tokens} new tokens each, one request at a time for (a)-(i); the sweep "
         f"runs `concurrency` requests at once, {args.sweep_max_tokens} new tokens each"
         f"{', plain/spec/spec/plain per level, summed' if args.sweep_repeats > 1 else ''}",
-        f"ideal speedup from measured acceptance and step costs: {ideal:.2f}"], table, result)
+        f"ideal speedup from measured acceptance and step costs: {ideal:.2f}", invariance_line],
+        table, result)
     return 0
 
 

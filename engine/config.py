@@ -72,9 +72,9 @@ class EngineConfig:
     num_threads: int | None = None  # torch CPU threads; None leaves torch's default
     cpu_matmul_autotune: bool = True  # time matmul forms for few-row linears at start-up (CPU)
     # measure and install the batch-invariance rule on the target at start-up (a row's logits
-    # do not depend on the other rows of the call; replaces the autotune for the target). Off
-    # by default until the engine-level identity and its cost are established (see README).
-    batch_invariant: bool = False
+    # do not depend on the other rows of the call, so greedy and seeded output do not change
+    # with speculation or batching; replaces the autotune for the target; see README)
+    batch_invariant: bool = True
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     @classmethod

@@ -69,8 +69,7 @@ class ModelRunner:
             from engine.kernels.batch_invariant import make_batch_invariant
 
             self.invariance = make_batch_invariant(model)
-            backend = backend or paged.SDPABackend(self.invariance.grouped_attention,
-                                                   self.invariance.query_rows)
+            backend = backend or paged.SDPABackend(self.invariance.attention)
         elif cpu_matmul_autotune:
             from engine.kernels.linear import autotune_linears
 

@@ -1,8 +1,9 @@
 """Batch invariance: a row's result never depends on the other rows of the step.
 
 Op level: every decoder layer's output and the logits for one row, computed alone, as the
-first of 1 + k verification rows, and inside a batch of mixed sequences (decodes,
-verifications, a prompt chunk), are bit-identical, in bf16 and fp32.
+first of 1 + k verification rows, as the last token of its prompt (whole, or a chunk with a
+past), and inside a batch of mixed sequences (decodes, verifications, a prompt chunk), are
+bit-identical, in bf16 and fp32.
 """
 
 import pytest
@@ -53,7 +54,11 @@ def cases(runner: ModelRunner, vocab: int) -> dict[str, list[torch.Tensor]]:
     runner.execute([RunItem(context_a, 0, table_a, 1)])  # A's K/V up to CONTEXT - 1
     token, drafts = tokens(1), tokens(4)
     out = {"alone": capture(runner, [RunItem(token, CONTEXT, table_a, 1)], 0),
-           "verify 1+4": capture(runner, [RunItem(token + drafts, CONTEXT, table_a, 5)], 0)}
+           "verify 1+4": capture(runner, [RunItem(token + drafts, CONTEXT, table_a, 5)], 0),
+           # the row inside a prompt: computed from position 0, and as a chunk with a past
+           "whole prompt": capture(runner, [RunItem(context_a + token, 0, table_a, 1)], CONTEXT),
+           "prompt chunk": capture(runner, [RunItem(context_a[40:] + token, 40, table_a, 1)],
+                                   CONTEXT - 40)}
     batch = []  # 31 other sequences: decodes, verifications and a prompt chunk
     for i, table in enumerate(others):
         if i == 7:

@@ -119,3 +119,56 @@ def test_health_answers_fast_during_a_long_prefill(smollm2_path):
         assert max(latencies) < 0.05, latencies
     finally:
         assert srv.terminate() == 0
+
+
+def _chat_prompts(tok) -> list[list[int]]:
+    import json
+    from pathlib import Path
+
+    lines = (Path(__file__).parents[1] / "bench" / "prompts" / "chat.jsonl").read_text()
+    texts = [json.loads(line)["messages"][-1]["content"] for line in lines.splitlines() if line]
+    texts += PROMPTS[1:5]
+    return [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                    tokenize=True, return_dict=False) for t in texts[:12]]
+
+
+def test_smollm2_bf16_greedy_is_identical_with_speculation_and_batching(smollm2_path):
+    """The served dtype: bf16 greedy output with speculation (n-gram, a draft model) equals
+    plain decoding, alone and 8 at once with staggered arrivals: batch invariance end to end."""
+    from transformers import AutoTokenizer
+
+    from engine.config import SpeculativeConfig
+
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    prompts = _chat_prompts(tok)
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+
+    def engine(method: str = "none") -> LLMEngine:
+        spec = SpeculativeConfig(method=method, k_max=4, adaptive=False, calibrate=False,
+                                 draft_model=smollm2_path if method == "draft_model" else None)
+        eng = LLMEngine(EngineConfig(model=smollm2_path, dtype="bfloat16", max_num_seqs=8,
+                                     max_num_batched_tokens=256, num_blocks=512,
+                                     batch_invariant=True, speculative=spec))
+        assert eng.runner.invariance.invariant, eng.runner.invariance.problems
+        return eng
+
+    def alone(eng: LLMEngine) -> list[list[int]]:
+        return [eng.generate([p], params)[0].output_token_ids for p in prompts]
+
+    def staggered(eng: LLMEngine) -> list[list[int]]:  # a new request every other step
+        ids, final, step = [], {}, 0
+        while len(final) < len(prompts):
+            if len(ids) < len(prompts) and step % 2 == 0:
+                ids.append(eng.add_request(prompts[len(ids)], params))
+            final.update((o.request_id, o) for o in eng.step() if o.finished)
+            step += 1
+        return [final[i].output_token_ids for i in ids]
+
+    plain = alone(engine())
+    runs = {"plain, 8 at once": staggered(engine()),
+            "n-gram, alone": alone(engine("ngram")), "n-gram, 8 at once": staggered(engine("ngram")),
+            "draft model, alone": alone(engine("draft_model")),
+            "draft model, 8 at once": staggered(engine("draft_model"))}
+    differ = {name: [i for i, (a, b) in enumerate(zip(plain, got)) if a != b]
+              for name, got in runs.items()}
+    assert all(not rows for rows in differ.values()), differ

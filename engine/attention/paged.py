@@ -41,10 +41,11 @@ class SeqSpan:
 
 @dataclass
 class LongSpan:
-    q_start: int
-    q_len: int
-    kv_slots: torch.Tensor | None  # [ctx_len]; None when the chunk has no past (causal on new K/V)
-    mask: torch.Tensor | None  # [q_len, ctx_len] bool, True = attend; None with kv_slots None
+    q_start: int  # offset of its first new token in the flattened batch
+    q_index: torch.Tensor  # [q_rows] rows of the flattened batch (padded by repeating the last)
+    q_len: int  # rows that are real (the first q_len of q_index)
+    kv_slots: torch.Tensor | None  # [kv_len] cache slots; None when causal on the new K/V
+    mask: torch.Tensor | None  # [q_rows, kv_len] bool, True = attend; None with kv_slots None
 
 
 @dataclass
@@ -55,8 +56,19 @@ class AttentionMetadata:
     short_mask: torch.Tensor | None = None  # [B, 1, q_max, kv_max] bool, True = attend
     short_valid: torch.Tensor | None = None  # [B, q_max] bool, False on padding
     long_spans: list[LongSpan] = field(default_factory=list)
-    # ungrouped short queries: (row of the flattened batch, [p + 1] cache slots it attends to)
-    lone_rows: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class InvariantLayout:
+    """How every attention call is shaped so that a query row's result depends only on its
+    query and the keys it attends to (see engine/kernels/batch_invariant.py): keys always from
+    position 0, padded with masked keys to a multiple of `kv_multiple` (the kernel then splits
+    them into the same blocks whatever the call), and the query rows of a call padded, by
+    repeating the last one, to a multiple of `q_multiple` (no query block of the kernel is
+    smaller than that)."""
+
+    q_multiple: int
+    kv_multiple: int
 
 
 class AttentionBackend(ABC):
@@ -73,13 +85,20 @@ class AttentionBackend(ABC):
 
 
 class SDPABackend(AttentionBackend):
-    """PyTorch SDPA. Short queries (decode, verification) run as one padded group, unless
-    `grouped` is False (batch invariance where the group is not invariant, see
-    engine/kernels/batch_invariant.py): then each short query row runs alone, repeated to
-    `query_rows` rows, over exactly the keys it attends to."""
+    """PyTorch SDPA. Short queries (decode, verification) run as one padded group; each longer
+    query (a prefill chunk) runs alone. Without a `layout` calls are as small as possible (a
+    chunk with no past is causal on its new K/V); with one, every call follows it."""
 
-    def __init__(self, grouped: bool = True, query_rows: int = 1) -> None:
-        self.grouped, self.query_rows = grouped, query_rows
+    def __init__(self, layout: InvariantLayout | None = None) -> None:
+        self.layout = layout
+
+    def _rows(self, n: int) -> int:  # query rows of a call of n real rows
+        m = self.layout.q_multiple if self.layout else 1
+        return -(-n // m) * m
+
+    def _keys(self, n: int) -> int:  # keys of a call attending to at most n keys
+        m = self.layout.kv_multiple if self.layout else 1
+        return -(-n // m) * m
 
     def build_metadata(self, spans, slot_mapping, block_size, device):
         meta = AttentionMetadata(
@@ -88,29 +107,25 @@ class SDPABackend(AttentionBackend):
         for s in spans:
             if s.q_len > SHORT_QUERY_MAX:
                 meta.long_spans.append(self._long_span(s, block_size, device))
-        if short and self.grouped:
+        if short:
             self._short_group(meta, short, block_size, device)
-        elif short:
-            meta.lone_rows = [row for s in short for row in _lone_rows(s, block_size, device)]
         return meta
 
-    @staticmethod
-    def _long_span(s: SeqSpan, block_size: int, device: torch.device) -> LongSpan:
-        if s.ctx_len == s.q_len:
-            return LongSpan(s.q_start, s.q_len, None, None)
-        q_pos = torch.arange(s.ctx_len - s.q_len, s.ctx_len, device=device)
-        mask = torch.arange(s.ctx_len, device=device)[None, :] <= q_pos[:, None]
-        slots = _slots(torch.tensor([s.block_table], device=device), block_size)[0, :s.ctx_len]
-        return LongSpan(s.q_start, s.q_len, slots, mask)
+    def _long_span(self, s: SeqSpan, block_size: int, device: torch.device) -> LongSpan:
+        rows = self._rows(s.q_len)
+        q_index = s.q_start + torch.arange(rows, device=device).clamp(max=s.q_len - 1)
+        if s.ctx_len == s.q_len and self.layout is None:
+            return LongSpan(s.q_start, q_index, s.q_len, None, None)
+        kv_len = self._keys(s.ctx_len)
+        q_pos = s.ctx_len - s.q_len + torch.arange(rows, device=device).clamp(max=s.q_len - 1)
+        mask = torch.arange(kv_len, device=device)[None, :] <= q_pos[:, None]
+        slots = _slots(_padded_tables([s], kv_len, block_size, device), block_size)[0, :kv_len]
+        return LongSpan(s.q_start, q_index, s.q_len, slots, mask)
 
-    @staticmethod
-    def _short_group(meta: AttentionMetadata, short: list[SeqSpan], block_size: int,
+    def _short_group(self, meta: AttentionMetadata, short: list[SeqSpan], block_size: int,
                      device: torch.device) -> None:
-        q_max = max(s.q_len for s in short)
-        kv_max = max(s.ctx_len for s in short)
-        num_blocks = -(-kv_max // block_size)
-        tables = [s.block_table[:num_blocks] + [0] * (num_blocks - len(s.block_table[:num_blocks]))
-                  for s in short]
+        q_max = self._rows(max(s.q_len for s in short))
+        kv_max = self._keys(max(s.ctx_len for s in short))
         q_start = torch.tensor([s.q_start for s in short], device=device)  # [B]
         q_len = torch.tensor([s.q_len for s in short], device=device)  # [B]
         ctx_len = torch.tensor([s.ctx_len for s in short], device=device)  # [B]
@@ -120,7 +135,8 @@ class SDPABackend(AttentionBackend):
         q_pos = ctx_len[:, None] - q_len[:, None] + offs  # [B, q_max] absolute positions
         k_pos = torch.arange(kv_max, device=device)  # [kv_max]
         meta.short_q_index = q_start[:, None] + offs
-        meta.short_kv_slots = _slots(torch.tensor(tables, device=device), block_size)[:, :kv_max]
+        tables = _padded_tables(short, kv_max, block_size, device)
+        meta.short_kv_slots = _slots(tables, block_size)[:, :kv_max]
         # causal, and hides padding keys: a key at k_pos >= ctx_len is after every query
         meta.short_mask = (k_pos[None, None, :] <= q_pos[:, :, None])[:, None, :, :]
         meta.short_valid = valid
@@ -138,33 +154,29 @@ class SDPABackend(AttentionBackend):
                                                scale=scaling, enable_gqa=True)
             o = o.transpose(1, 2)  # [B, q_max, heads, head_dim]
             out[meta.short_q_index[meta.short_valid]] = o[meta.short_valid]
-        for row, kv_slots in meta.lone_rows:
-            qs = q[row][None].expand(self.query_rows, -1, -1).transpose(0, 1)[None]
-            ks = k_cache[kv_slots].transpose(0, 1)[None]  # [1, kv_heads, p + 1, head_dim]
-            vs = v_cache[kv_slots].transpose(0, 1)[None]
-            o = F.scaled_dot_product_attention(qs, ks, vs, scale=scaling, enable_gqa=True)
-            out[row] = o[0, :, 0]
         for span in meta.long_spans:
-            rows = slice(span.q_start, span.q_start + span.q_len)
-            qs = query[:, :, rows]  # [1, heads, q_len, head_dim]
-            if span.kv_slots is None:
-                ks, vs = key[:, :, rows], value[:, :, rows]
-                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scaling,
-                                                   enable_gqa=True)
+            rows = span.q_index[:span.q_len]
+            if span.kv_slots is None:  # rows are contiguous: the span's new K/V
+                new = slice(span.q_start, span.q_start + span.q_len)
+                o = F.scaled_dot_product_attention(query[:, :, new], key[:, :, new],
+                                                   value[:, :, new], is_causal=True,
+                                                   scale=scaling, enable_gqa=True)
             else:
-                ks = k_cache[span.kv_slots].transpose(0, 1)[None]  # [1, kv_heads, ctx, head_dim]
+                qs = q[span.q_index].transpose(0, 1)[None]  # [1, heads, q_rows, head_dim]
+                ks = k_cache[span.kv_slots].transpose(0, 1)[None]  # [1, kv_heads, kv, head_dim]
                 vs = v_cache[span.kv_slots].transpose(0, 1)[None]
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=span.mask,
                                                    scale=scaling, enable_gqa=True)
-            out[rows] = o[0].transpose(0, 1)
+            out[rows] = o[0].transpose(0, 1)[:span.q_len]
         return out[None]  # [1, num_tokens, heads, head_dim]
 
 
-def _lone_rows(s: SeqSpan, block_size: int,
-               device: torch.device) -> list[tuple[int, torch.Tensor]]:
-    slots = _slots(torch.tensor([s.block_table], device=device), block_size)[0]
-    first = s.ctx_len - s.q_len  # position of the span's first query
-    return [(s.q_start + j, slots[:first + j + 1]) for j in range(s.q_len)]
+def _padded_tables(spans: list[SeqSpan], num_keys: int, block_size: int,
+                   device: torch.device) -> torch.Tensor:
+    """[B, blocks covering num_keys] block tables, padded with block 0 (keys a mask hides)."""
+    n = -(-num_keys // block_size)
+    return torch.tensor([s.block_table[:n] + [0] * (n - len(s.block_table[:n])) for s in spans],
+                        device=device)
 
 
 def _slots(block_tables: torch.Tensor, block_size: int) -> torch.Tensor:
