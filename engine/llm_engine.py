@@ -11,7 +11,9 @@ class; offline users call `generate()`.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -29,6 +31,9 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sequence import Sequence
 from engine.spec_decode.speculator import build_speculator
+from engine.structured import Grammars
+
+log = logging.getLogger("specserve.engine")
 
 
 @dataclass
@@ -55,6 +60,11 @@ class RowOwner(NamedTuple):
     seq: Sequence
     first_row: int
     drafts: list[int]
+
+
+class GrammarMasks(NamedTuple):
+    rows: list[int]  # the step's constrained rows
+    allowed: Future  # -> [len(rows), V] bool
 
 
 class LLMEngine:
@@ -92,6 +102,25 @@ class LLMEngine:
         self.speculator = build_speculator(
             config, self.runner, self.block_manager, draft_model,
             len(tokenizer) if tokenizer is not None else None, self.max_model_len)
+        self._grammars: Grammars | None = None  # built with the first grammar request
+        self._mask_thread: ThreadPoolExecutor | None = None
+        self.num_grammar_requests = 0
+
+    @property
+    def grammars(self) -> Grammars:
+        """Structured output's tokenizer view and matchers (needs the tokenizer)."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise InvalidRequestError("structured output needs the model's tokenizer",
+                                          "grammar")
+            self._grammars = Grammars(self.tokenizer, self.vocab_size,
+                                      self.scheduler.eos_token_ids)
+        return self._grammars
+
+    @property
+    def grammar_mask_seconds(self) -> float:
+        """Time spent computing grammar masks so far."""
+        return 0.0 if self._grammars is None else self._grammars.mask_seconds
 
     # -- setup helpers ---------------------------------------------------------------------
     def _draft_model(self, target: torch.nn.Module,
@@ -158,6 +187,8 @@ class LLMEngine:
                 "context_length_exceeded")
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab})", "logit_bias")
+        if params.grammar is not None:
+            self.grammars.check(params.grammar)
 
     def add_request(self, prompt: list[int] | str, params: SamplingParams | None = None,
                     request_id: str | None = None, cache_salt: str | None = None) -> str:
@@ -175,6 +206,9 @@ class LLMEngine:
             raise InvalidRequestError(f"invalid request_id: {request_id!r} is already in flight",
                                       "request_id")
         seq = Sequence(request_id, prompt_ids, params, cache_salt=cache_salt)
+        if params.grammar is not None:
+            seq.matcher = self.grammars.matcher(params.grammar)
+            self.num_grammar_requests += 1
         self._sequences[request_id] = seq
         self._num_emitted[request_id] = 0
         self.scheduler.add(seq)
@@ -214,10 +248,11 @@ class LLMEngine:
         if out.is_empty:
             return []
         started = time.perf_counter()
+        masks = self._grammar_masks(out)  # computed while the target runs
         step_logits = self.runner.execute([RunItem(s.token_ids, s.start, s.seq.block_table,
                                                    s.num_sample_rows) for s in out.scheduled])
         owners = self._row_owners(out, step_logits)
-        emitted = self._verify(owners, step_logits.logits)
+        emitted = self._verify(owners, step_logits.logits, masks)
         self.speculator.observe(out.num_batched_tokens, len(out.scheduled),
                                 time.perf_counter() - started,
                                 ((o.seq, len(o.drafts), len(e) - 1)
@@ -241,6 +276,24 @@ class LLMEngine:
                 owners.append(RowOwner(i, sched.seq, lo, sched.seq.draft_token_ids[:hi - lo - 1]))
         return owners
 
+    def _grammar_masks(self, out: SchedulerOutput) -> GrammarMasks | None:
+        """Start computing the grammar masks of this step's constrained rows (the last
+        committed token and each draft of a sequence with a grammar) in a thread: llguidance
+        releases the GIL, so they overlap the target's forward."""
+        rows, index, row = [], [], 0
+        for s in out.scheduled:
+            n = s.num_sample_rows
+            if n and s.seq.matcher is not None:
+                rows += [(s.seq.matcher, s.seq.draft_token_ids[:j]) for j in range(n)]
+                index += range(row, row + n)
+            row += n
+        if not rows:
+            return None
+        if self._mask_thread is None:
+            self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+        return GrammarMasks(index, self._mask_thread.submit(self.grammars.allowed, rows,
+                                                            self.device))
+
     def _row_spec(self, seq: Sequence, drafts: list[int],
                   stream: int = keys.RACE) -> sampler.RowSpec:
         """How to sample the position after `drafts` (the drafts count as generated tokens);
@@ -248,7 +301,9 @@ class LLMEngine:
         history = seq.output_token_ids + drafts if drafts else seq.output_token_ids
         seed = seq.params.seed
         key = None if seed is None else keys.noise_key(seed, len(history), stream)
-        return sampler.RowSpec(seq.params, seq.prompt_token_ids, history, key)
+        grammar = (None if seq.matcher is None else
+                   sampler.GrammarRow(self._grammars, seq.matcher, list(drafts)))
+        return sampler.RowSpec(seq.params, seq.prompt_token_ids, history, key, grammar)
 
     def _draft_row_spec(self, seq: Sequence, drafts: list[int]) -> sampler.RowSpec:
         """What a draft model samples from: under coupled verification a seeded request drafts
@@ -261,16 +316,18 @@ class LLMEngine:
         verification (both emit exactly the tokens plain decoding would)."""
         return seq.params.greedy or (self.coupled and seq.params.seed is not None)
 
-    def _verify(self, owners: list[RowOwner], logits: torch.Tensor) -> list[list[int]]:
+    def _verify(self, owners: list[RowOwner], logits: torch.Tensor,
+                masks: GrammarMasks | None = None) -> list[list[int]]:
         """Emitted tokens per row owner: its accepted drafts + one sampled token.
 
-        logits: [R, V] raw, exactly the owners' rows in order.
+        logits: [R, V] raw, exactly the owners' rows in order; masks: of its constrained rows.
         """
         if not owners:
             return []
         rows = [self._row_spec(o.seq, o.drafts[:j]) for o in owners
                 for j in range(len(o.drafts) + 1)]
-        tensors = sampler.build_sampling_tensors(rows, self.vocab_size, self.device)
+        allowed = None if masks is None else (masks.rows, masks.allowed.result())
+        tensors = sampler.build_sampling_tensors(rows, self.vocab_size, self.device, allowed)
         processed = sampler.process_logits(logits, tensors)
         if not any(o.drafts for o in owners):  # no speculation this step: one vectorized draw
             return [[t] for t in sampler.sample(processed, tensors, self.generator).tolist()]
@@ -329,7 +386,14 @@ class LLMEngine:
         lps: list[list | None] = [None for _ in out.scheduled]
         for o, toks, lp in zip(owners, emitted, logprobs):
             tokens[o.index], lps[o.index] = toks, lp
+        constrained = [(o.seq, o.seq.num_output_tokens) for o in owners
+                       if o.seq.matcher is not None]
         changed = self.scheduler.update(out, tokens, lps)
+        for seq, before in constrained:  # the grammar state follows the committed tokens
+            if not seq.is_finished and not seq.matcher.consume_tokens(
+                    seq.output_token_ids[before:]):
+                log.warning("request %s: its output left its grammar (%s)", seq.request_id,
+                            seq.matcher.get_error())
         self.speculator.drop([s for s in changed if s.is_finished], finished=True)
         return changed
 

@@ -38,6 +38,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     speculative: bool = True  # a request may opt out of speculation
+    # structured output: an llguidance grammar (engine/structured.py builds them from a JSON
+    # schema, a regex, choices or Lark); only tokens it allows are sampled
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         _check(self.max_tokens is None or (isinstance(self.max_tokens, int)
@@ -74,6 +77,10 @@ class SamplingParams:
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids", "must be a list of token ids")
         self.stop_token_ids = list(self.stop_token_ids)
+        _check(self.grammar is None or (isinstance(self.grammar, str) and self.grammar != ""),
+               "grammar", "must be a grammar string")
+        _check(not (self.grammar and self.ignore_eos), "ignore_eos",
+               "cannot be combined with structured output (the grammar ends the output)")
 
     @property
     def greedy(self) -> bool:

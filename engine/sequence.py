@@ -47,6 +47,9 @@ class Sequence:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
+        # structured output: the grammar's state after the committed output (an llguidance
+        # LLMatcher), None when the request has no grammar
+        self.matcher = None
         # Per generated token: (chosen logprob, [(token id, logprob) ...]) when requested.
         self.output_logprobs: list[tuple[float, list[tuple[int, float]]]] = []
 

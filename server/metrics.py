@@ -66,6 +66,10 @@ class Metrics:
                                          "Draft tokens accepted at each draft position",
                                          ["position"])
         self.http_requests = counter("http_requests", "HTTP requests", ["route", "status"])
+        self.grammar_requests = counter("structured_output_requests",
+                                        "Requests with a grammar (response_format, tools)")
+        self.grammar_mask_seconds = counter("structured_output_mask_seconds",
+                                            "Time spent computing grammar token masks")
         self.ttft = Histogram(P + "time_to_first_token_seconds", "Arrival to first token",
                               buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram(P + "inter_token_latency_seconds", "Time per output token after "
@@ -83,6 +87,7 @@ class Metrics:
         self.spec_k = gauge("spec_decode_k", "Mean k chosen in the latest decoding step")
         self.info = Info(P + "model", "Served model and configuration", registry=r)
         self._last: dict[str, int] = {}
+        self._last_mask_seconds = 0.0
         self._last_token_time: dict[str, float] = {}
 
     def set_info(self, **labels: str) -> None:
@@ -101,6 +106,11 @@ class Metrics:
         prefix = engine.block_manager.prefix_stats
         self._mirror("prefix_queries", self.prefix_queries, prefix.queries)
         self._mirror("prefix_hits", self.prefix_hits, prefix.hits)
+        self._mirror("grammar_requests", self.grammar_requests, engine.num_grammar_requests)
+        seconds = engine.grammar_mask_seconds
+        if seconds > self._last_mask_seconds:
+            self.grammar_mask_seconds.inc(seconds - self._last_mask_seconds)
+            self._last_mask_seconds = seconds
         speculator = engine.speculator
         if not speculator.enabled:
             return

@@ -21,16 +21,45 @@ class TextPart(_Request):
     text: str
 
 
+class FunctionCall(_Request):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    arguments: str = "{}"  # a JSON object, as a string
+
+
+class ToolCall(_Request):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None  # an assistant's earlier calls
+    tool_call_id: Optional[str] = None  # a tool message: the call it answers
 
     @model_validator(mode="after")
     def _content_required(self) -> "ChatMessage":
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role} message needs content")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages have tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs tool_call_id")
         return self
+
+    def as_dict(self) -> dict:
+        """The message for a chat template (developer is system to the model)."""
+        out = {"role": "system" if self.role == "developer" else self.role,
+               "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name and self.role == "tool":
+            out["name"] = self.name
+        return out
 
     def text(self) -> str:
         if self.content is None:
@@ -45,6 +74,25 @@ MAX_STOP_CHARS = 1000  # each step looks for every prefix of every stop string
 
 class StreamOptions(_Request):
     include_usage: bool = False
+
+
+class JSONSchemaFormat(_Request):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64)
+    description: Optional[str] = None
+    json_schema: Union[dict, bool, None] = Field(default=None, alias="schema")
+    strict: Optional[bool] = None  # the schema is always enforced
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JSONSchemaFormat] = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> "ResponseFormat":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type json_schema needs a json_schema object")
+        return self
 
 
 class _SamplingFields(_Request):
@@ -68,6 +116,17 @@ class _SamplingFields(_Request):
     ignore_eos: bool = False  # extra
     # extra, as in vLLM: requests share prefix-cache blocks only with equal salts
     cache_salt: Optional[str] = Field(default=None, min_length=1, max_length=256)
+    # structured output: OpenAI's response_format, and vLLM's guided_regex / guided_choice
+    response_format: Optional[ResponseFormat] = None
+    guided_regex: Optional[str] = Field(default=None, min_length=1)
+    guided_choice: Optional[list[str]] = Field(default=None, min_length=1)
+
+    @field_validator("guided_choice")
+    @classmethod
+    def _check_choices(cls, value):
+        if value is not None and any(not c for c in value):
+            raise ValueError("guided_choice options must be non-empty strings")
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -98,11 +157,52 @@ class _SamplingFields(_Request):
         return out
 
 
+class FunctionDef(_Request):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: Optional[str] = None
+    parameters: Optional[dict] = None  # a JSON schema of the arguments object
+    strict: Optional[bool] = None  # calls enforced by tool_choice always follow the schema
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+    tools: Optional[list[Tool]] = Field(default=None, max_length=128)
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: bool = True
+    # the deprecated forms of tools: refused, naming the field, rather than ignored
+    functions: Optional[list] = None
+    function_call: Union[str, dict, None] = None
+
+    @field_validator("functions", "function_call")
+    @classmethod
+    def _deprecated(cls, value):
+        if value is not None:
+            raise ValueError("deprecated: use tools and tool_choice")
+        return value
+
+    @property
+    def tool_mode(self) -> str:
+        """none | auto | required | named."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or ("auto" if self.tools else "none")
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> "ChatCompletionRequest":

@@ -13,6 +13,7 @@ import math
 
 from engine import InvalidRequestError, SamplingParams
 from engine.sample.keys import choice_seed
+from server import tools
 from server.errors import APIError
 from server.middleware import TENANT
 from server.protocol import ChatCompletionRequest, CompletionRequest
@@ -65,11 +66,43 @@ def check_model(state: ServerState, model: str) -> None:
 # -- per endpoint: (prompt ids, one SamplingParams per choice) --------------------------------
 
 def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> tuple[list[int], list]:
+    check_tool_choice(req)
     prompt_ids = chat_prompt_ids(state, req)
     num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = req.max_completion_tokens or req.max_tokens
     return prompt_ids, sampling_params(state, req, prompt_ids, max_tokens, num_logprobs,
-                                       prompt_field="messages")
+                                       prompt_field="messages",
+                                       grammar=tool_grammar(state, req))
+
+
+def check_tool_choice(req: ChatCompletionRequest) -> None:
+    mode = req.tool_mode
+    if mode in ("required", "named") and not req.tools:
+        raise APIError(400, f"tool_choice {mode!r} needs tools", "tool_choice", "invalid_value")
+    if mode == "named":
+        name = req.tool_choice.function.name
+        if name not in {t.function.name for t in req.tools}:
+            raise APIError(400, f"tool_choice names the function {name!r}, which is not in "
+                                f"tools", "tool_choice", "invalid_value")
+    if req.tools and len({t.function.name for t in req.tools}) < len(req.tools):
+        raise APIError(400, "tools: function names must be unique", "tools", "invalid_value")
+
+
+def tool_grammar(state: ServerState, req: ChatCompletionRequest) -> tuple[str, str] | None:
+    """The grammar that enforces tool_choice "required" or a named function, else None."""
+    mode = req.tool_mode
+    if mode not in ("required", "named"):
+        return None
+    if request_grammar(req) is not None:
+        raise APIError(400, f"tool_choice {mode!r} cannot be combined with response_format or "
+                            f"guided decoding", "tool_choice", "invalid_value")
+    offered = [t.model_dump(exclude_none=True) for t in req.tools]
+    name = req.tool_choice.function.name if mode == "named" else None
+    try:
+        grammar = tools.call_grammar(state.tokenizer, offered, name, req.parallel_tool_calls)
+    except (ValueError, TypeError) as exc:
+        raise APIError(400, f"invalid tools: {exc}", "tools", "invalid_value") from None
+    return grammar, "tools"
 
 
 def prepare_completion(state: ServerState, req: CompletionRequest) -> tuple[list[int], list]:
@@ -79,14 +112,20 @@ def prepare_completion(state: ServerState, req: CompletionRequest) -> tuple[list
 
 
 def chat_prompt_ids(state: ServerState, req: ChatCompletionRequest) -> list[int]:
-    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                for m in req.messages]
     tok = state.tokenizer
     if not getattr(tok, "chat_template", None):
         raise APIError(400, "this model has no chat template; use /v1/completions",
                        "messages", "no_chat_template")
+    offered = ([t.model_dump(exclude_none=True) for t in req.tools]
+               if req.tools and req.tool_mode != "none" else None)
     try:
-        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+        messages, template_tools = tools.template_messages(
+            [m.as_dict() for m in req.messages], offered, tools.template_knows_tools(tok))
+    except ValueError as exc:  # an earlier call's arguments that are not a JSON object
+        raise APIError(400, str(exc), "messages", "invalid_value") from None
+    try:
+        ids = tok.apply_chat_template(messages, tools=template_tools,
+                                      add_generation_prompt=True, tokenize=True,
                                       return_dict=False)
     except Exception as exc:  # a template may reject a message order
         raise APIError(400, f"the chat template rejected the messages: {exc}", "messages",
@@ -113,32 +152,64 @@ def completion_prompt_ids(state: ServerState, req: CompletionRequest) -> list[in
 # -- shared ----------------------------------------------------------------------------------
 
 def sampling_params(state: ServerState, req, prompt_ids: list[int], max_tokens: int | None,
-                    num_logprobs: int | None, prompt_field: str) -> list[SamplingParams]:
+                    num_logprobs: int | None, prompt_field: str,
+                    grammar: tuple[str, str] | None = None) -> list[SamplingParams]:
     """One SamplingParams per choice, checked once by the engine; a 400 naming the field.
 
-    `prompt_field` is the endpoint's name for what the engine calls the prompt."""
+    `prompt_field` is the endpoint's name for what the engine calls the prompt; `grammar` is
+    (grammar, the request field it comes from), or None for `request_grammar(req)`."""
     max_n = state.config.server.max_n
     if req.n > max_n:  # before building n of them
         raise APIError(400, f"n must be at most {max_n}", "n", "invalid_value")
+    grammar, grammar_field = grammar or request_grammar(req) or (None, None)
     # without max_tokens a choice may fill the context; at least 1, so that a prompt too long
     # for the context is what the engine reports
     room = max(1, state.engine.max_model_len - len(prompt_ids))
     try:
-        params = [_choice_params(req, i, max_tokens or room, num_logprobs)
+        params = [_choice_params(req, i, max_tokens or room, num_logprobs, grammar)
                   for i in range(req.n)]
         state.engine.validate(prompt_ids, params[0])  # the choices differ only in their seed
     except InvalidRequestError as exc:
-        param = prompt_field if exc.param == "prompt" else exc.param
-        raise APIError(400, exc.message, param, exc.code) from None
+        param = {"prompt": prompt_field, "grammar": grammar_field}.get(exc.param, exc.param)
+        message = exc.message
+        if exc.param == "grammar" and grammar_field:
+            message = message.replace("invalid grammar", f"invalid {grammar_field}", 1)
+        raise APIError(400, message, param, exc.code) from None
     return params
 
 
-def _choice_params(req, index: int, max_tokens: int,
-                   num_logprobs: int | None) -> SamplingParams:
+def request_grammar(req) -> tuple[str, str] | None:
+    """(grammar, request field) of the request's structured-output constraint, or None:
+    `response_format` (json_object, json_schema), `guided_regex` or `guided_choice`."""
+    from engine import structured
+
+    given = [name for name in ("guided_regex", "guided_choice")
+             if getattr(req, name, None) is not None]
+    fmt = req.response_format
+    if fmt is not None and fmt.type != "text":
+        given.insert(0, "response_format")
+    if len(given) > 1:
+        raise APIError(400, f"give at most one of {', '.join(given)}", given[1],
+                       "invalid_value")
+    if not given:
+        return None
+    try:
+        if given[0] == "guided_regex":
+            return structured.regex(req.guided_regex), "guided_regex"
+        if given[0] == "guided_choice":
+            return structured.choice(req.guided_choice), "guided_choice"
+        schema = fmt.json_schema.json_schema if fmt.type == "json_schema" else None
+        return structured.json_schema(schema), "response_format"
+    except (ValueError, TypeError) as exc:  # the compilers refuse what is not a schema
+        raise APIError(400, f"invalid {given[0]}: {exc}", given[0], "invalid_value") from None
+
+
+def _choice_params(req, index: int, max_tokens: int, num_logprobs: int | None,
+                   grammar: str | None) -> SamplingParams:
     seed = None if req.seed is None else choice_seed(req.seed, index)
     return SamplingParams(
         max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
         min_p=req.min_p, presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
         logit_bias=req.logit_bias, seed=seed, logprobs=num_logprobs, ignore_eos=req.ignore_eos,
-        speculative=req.speculative is not False)
+        speculative=req.speculative is not False, grammar=grammar)

@@ -3,8 +3,8 @@
 Must not touch sequences or the scheduler: the engine describes each row (one position whose
 next token is wanted) by a `RowSpec`, and everything here works on tensors.
 
-`process_logits` is the single definition of the sampling distribution (logit bias, penalties,
-temperature, top-k, top-p, min-p). The verifier applies the same function to draft and target
+`process_logits` is the single definition of the sampling distribution (grammar mask, logit
+bias, penalties, temperature, top-k, top-p, min-p). The verifier applies the same function to draft and target
 logits, so exactness holds for every sampling setting.
 
 Random draws use the exponential race: argmax(p / E) with E ~ Exp(1) i.i.d. is a sample from
@@ -17,10 +17,20 @@ Unseeded rows share the engine's stream.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from engine.sampling_params import SamplingParams
+
+
+class GrammarRow(NamedTuple):
+    """A constrained row: the grammar state after the sequence's committed tokens (`matcher`,
+    of `grammars`, an engine/structured.py `Grammars`) and then `pending` (drafts before it)."""
+
+    grammars: object
+    matcher: object
+    pending: list[int]
 
 
 @dataclass
@@ -31,6 +41,7 @@ class RowSpec:
     prompt_token_ids: list[int]  # for the repetition penalty
     output_token_ids: list[int]  # generated so far (before this row's position)
     noise_key: int | None = None  # seeded requests: `noise_key(seed, position)` of this row
+    grammar: GrammarRow | None = None  # structured output: only grammar-valid tokens
 
 
 @dataclass
@@ -49,10 +60,15 @@ class SamplingTensors:
     noise_keys: list[int | None]  # [R]
     greedy_rows: list[bool]  # [R], as `greedy`
     all_greedy: bool
+    grammar_rows: torch.Tensor | None = None  # [G] rows under a grammar
+    allowed: torch.Tensor | None = None  # [G, V] bool: the tokens the grammar allows there
 
 
-def build_sampling_tensors(rows: list[RowSpec], vocab_size: int,
-                           device: torch.device) -> SamplingTensors:
+def build_sampling_tensors(rows: list[RowSpec], vocab_size: int, device: torch.device,
+                           allowed: tuple[list[int], torch.Tensor] | None = None
+                           ) -> SamplingTensors:
+    """`allowed`: the grammar masks of the constrained rows when already computed (row
+    indices, [G, V] bool); otherwise they are computed here from each row's `grammar`."""
     params = [r.params for r in rows]
     greedy = [p.greedy for p in params]
     f32 = dict(dtype=torch.float32, device=device)
@@ -77,6 +93,15 @@ def build_sampling_tensors(rows: list[RowSpec], vocab_size: int,
     )
     if any(p.has_penalties for p in params):
         _add_penalties(t, rows, vocab_size, device)
+    if allowed is not None:
+        t.grammar_rows, t.allowed = torch.tensor(allowed[0], device=device), allowed[1]
+        return t
+    constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+    if constrained:
+        grammars = rows[constrained[0]].grammar.grammars
+        t.grammar_rows = torch.tensor(constrained, device=device)
+        t.allowed = grammars.allowed([(rows[i].grammar.matcher, rows[i].grammar.pending)
+                                      for i in constrained], device)
     return t
 
 
@@ -99,9 +124,13 @@ def _add_penalties(t: SamplingTensors, rows: list[RowSpec], vocab_size: int,
 def process_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     """Raw logits -> processed logits whose softmax is the sampling distribution.
 
-    logits: [R, V] float32 (not modified). Disallowed tokens get -inf.
+    logits: [R, V] float32 (not modified). Disallowed tokens get -inf: first what a grammar
+    forbids, so that every later step (penalties, temperature, top-k/p) sees the masked
+    distribution.
     """
     logits = logits.clone()
+    if t.allowed is not None:
+        logits[t.grammar_rows] = logits[t.grammar_rows].masked_fill(~t.allowed, float("-inf"))
     for row, token_ids, biases in t.logit_bias:
         logits[row, token_ids] += torch.tensor(biases, dtype=logits.dtype, device=logits.device)
     if t.output_counts is not None:

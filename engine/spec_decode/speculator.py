@@ -96,6 +96,9 @@ class Speculator(NoSpeculation):
         for num_tokens, num_seqs, seconds in proposal.forward_seconds:
             self.controller.draft_cost.record(num_tokens, num_seqs, seconds)
         for seq, drafts, q in zip(seqs, proposal.token_ids, proposal.probs):
+            if seq.matcher is not None and drafts:  # structured output: drafts the grammar
+                valid = seq.matcher.validate_tokens(list(drafts))  # allows, to the first not
+                drafts, q = drafts[:valid], (None if q is None else q[:valid])
             seq.draft_token_ids = list(drafts)
             if q is not None and drafts:
                 self._draft_probs[seq.request_id] = q
