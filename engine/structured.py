@@ -76,14 +76,12 @@ class Grammars:
         self.mask_seconds = 0.0  # time spent computing masks (a metric)
         self._exec = None  # llguidance's thread pool, made on first use
 
-    def check(self, grammar: str, param: str = "grammar") -> None:
+    def check(self, grammar: str) -> None:
         """Refuse a grammar llguidance cannot build (an invalid or unsupported schema)."""
-        if not isinstance(grammar, str):
-            raise InvalidRequestError(f"invalid {param}: must be a grammar string", param)
         is_error, messages = self._llg.LLMatcher.validate_grammar_with_warnings(
             grammar, self.tokenizer)
         if is_error:
-            raise InvalidRequestError(f"invalid {param}: {'; '.join(messages)}", param)
+            raise InvalidRequestError(f"invalid grammar: {'; '.join(messages)}", "grammar")
 
     def matcher(self, grammar: str):
         matcher = self._llg.LLMatcher(self.tokenizer, grammar, log_level=0)
@@ -146,12 +144,3 @@ class Grammars:
         if self._exec is None:
             self._exec = self._llg.LLExecutor()
         return self._exec
-
-    @staticmethod
-    def valid_prefix(matcher, tokens: list[int]) -> int:
-        """How many leading `tokens` the grammar accepts after the committed ones."""
-        return matcher.validate_tokens(tokens) if tokens else 0
-
-    @staticmethod
-    def commit(matcher, tokens: list[int]) -> bool:
-        return matcher.consume_tokens(tokens) if tokens else True
