@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-SPEC_METHODS = ("none", "draft_model", "ngram")
+SPEC_METHODS = ("none", "draft_model", "ngram", "suffix", "hybrid")
 
 
 @dataclass
 class SpeculativeConfig:
-    method: str = "none"  # draft_model | ngram | none
-    draft_model: str | None = None  # recipe name, folder or hub id (method draft_model)
+    # hybrid: per sequence per step, a suffix match or the draft model, whichever the cost
+    # model predicts pays most | suffix | draft_model | ngram (prompt lookup) | none
+    method: str = "none"
+    draft_model: str | None = None  # recipe name, folder or hub id (draft_model, hybrid)
     draft_dtype: str | None = None  # defaults to the target's dtype; exactness does not need it
     draft_gguf_file: str | None = None
     draft_quantization: str = "none"  # none | int8 (weight-only dynamic int8 linears, CPU only)
@@ -23,6 +25,13 @@ class SpeculativeConfig:
     draft_stop_confidence: float = 0.0
     ngram_min_n: int = 1
     ngram_max_n: int = 4
+    # suffix (and hybrid): drafts from the longest match in the sequence's own text and in a
+    # cache of earlier requests' prompts and outputs, partitioned by cache_salt (the tenant)
+    suffix_cache_tokens: int = 262_144  # budget of finished requests' tokens kept (LRU)
+    suffix_cross_request: bool = True  # False: each sequence matches only its own text
+    suffix_max_spec_tokens: int = 32  # most drafts of one suffix proposal
+    suffix_spec_factor: float = 1.0  # at most this x the match length
+    suffix_min_token_prob: float = 0.1  # stop where the continuation's frequency falls below
     # how a seeded sampled request's drafts are verified: "coupled" accepts a draft iff the
     # target's own position-keyed race picks it, so the output is exactly the output without
     # speculation; "rejection" uses rejection sampling for them too (higher acceptance, output
@@ -44,13 +53,30 @@ class SpeculativeConfig:
         if self.draft_quantization not in ("none", "int8"):
             raise ValueError(f"invalid speculative config draft_quantization: "
                              f"{self.draft_quantization!r}; use none or int8")
-        if self.method == "draft_model" and not self.draft_model:
-            raise ValueError("invalid speculative config draft_model: method draft_model needs "
-                             "a draft model")
+        if self.method in ("draft_model", "hybrid") and not self.draft_model:
+            raise ValueError(f"invalid speculative config draft_model: method {self.method} "
+                             "needs a draft model")
+        if not isinstance(self.suffix_cache_tokens, int) or self.suffix_cache_tokens < 0:
+            raise ValueError("invalid speculative config suffix_cache_tokens: must be >= 0")
+        if not isinstance(self.suffix_max_spec_tokens, int) \
+                or not 1 <= self.suffix_max_spec_tokens <= 256:
+            raise ValueError("invalid speculative config suffix_max_spec_tokens: must be in "
+                             "1..256")
+        if not self.suffix_spec_factor > 0:
+            raise ValueError("invalid speculative config suffix_spec_factor: must be > 0")
+        if not 0.0 <= self.suffix_min_token_prob <= 1.0:
+            raise ValueError("invalid speculative config suffix_min_token_prob: must be in "
+                             "[0, 1]")
 
     @property
     def enabled(self) -> bool:
-        return self.method != "none" and self.k_max > 0
+        """k_max bounds the draft model's and prompt lookup's drafts; suffix proposals have
+        their own bound."""
+        return self.method == "suffix" or (self.method != "none" and self.k_max > 0)
+
+    @property
+    def uses_draft_model(self) -> bool:
+        return self.enabled and self.method in ("draft_model", "hybrid")
 
 
 @dataclass

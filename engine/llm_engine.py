@@ -50,6 +50,8 @@ class RequestOutput:
     metrics: dict[str, float] = field(default_factory=dict)
     num_drafted_tokens: int = 0  # speculation: draft tokens verified for this request
     num_accepted_tokens: int = 0  # ... and accepted
+    # per speculation method ("draft_model", "suffix", "ngram"): (drafted, accepted)
+    spec_methods: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 class RowOwner(NamedTuple):
@@ -127,7 +129,7 @@ class LLMEngine:
                      given: torch.nn.Module | None) -> torch.nn.Module | None:
         """The draft model speculation needs (loaded here unless `given`), or None."""
         speculative = self.config.speculative
-        if not (speculative.enabled and speculative.method == "draft_model"):
+        if not speculative.uses_draft_model:
             return None
         owned = given is None  # loaded here: nobody else holds it
         draft = load_draft(speculative, target, self.config.dtype,
@@ -413,6 +415,7 @@ class LLMEngine:
             finish_reason=seq.finish_reason, num_cached_tokens=seq.num_cached_tokens,
             logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
             num_drafted_tokens=seq.num_drafted_tokens, num_accepted_tokens=seq.num_accepted_tokens,
+            spec_methods={m: (c[0], c[1]) for m, c in seq.spec_methods.items()},
             metrics={"arrival_time": seq.arrival_time,
                      "first_scheduled_time": seq.first_scheduled_time or 0.0,
                      "first_token_time": seq.first_token_time or 0.0,

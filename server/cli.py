@@ -64,7 +64,7 @@ def _fetch_missing(engine_config) -> None:
     from engine.models.recipes import RECIPES, FetchError, fetch, is_fetched
 
     names = [engine_config.model]
-    if engine_config.speculative.method == "draft_model":
+    if engine_config.speculative.method in ("draft_model", "hybrid"):
         names.append(engine_config.speculative.draft_model)
     for name in names:
         if name in RECIPES and not is_fetched(name, engine_config.model_cache_dir):
@@ -148,9 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--device", help="auto | cpu | cuda | cuda:N")
     srv.add_argument("--dtype", help="float32 | bfloat16 | float16")
     srv.add_argument("--num-threads", type=int, help="torch CPU threads")
-    srv.add_argument("--speculative", choices=["none", "draft_model", "ngram"],
-                     help="speculation method")
-    srv.add_argument("--draft-model", help="draft model for --speculative draft_model")
+    srv.add_argument("--speculative", choices=["none", "draft_model", "ngram", "suffix",
+                                                     "hybrid"], help="speculation method")
+    srv.add_argument("--draft-model", help="draft model for --speculative draft_model/hybrid")
     srv.add_argument("--k-max", type=int, help="most draft tokens per step (0..16)")
     srv.add_argument("--max-waiting-requests", type=int,
                      help="queue length beyond which requests get 429")

@@ -59,6 +59,7 @@ class ChoiceState:
     num_cached_tokens: int = 0  # prompt tokens the prefix cache served (the engine's count)
     drafted: int = 0
     accepted: int = 0
+    spec_methods: dict = field(default_factory=dict)  # method -> (drafted, accepted)
     finish_reason: str | None = None
     text: str = ""
     entries: list = field(default_factory=list)  # (token id, logprobs) of every token
@@ -71,6 +72,7 @@ class ChoiceState:
         self.num_tokens = len(out.output_token_ids)
         self.num_cached_tokens = out.num_cached_tokens
         self.drafted, self.accepted = out.num_drafted_tokens, out.num_accepted_tokens
+        self.spec_methods = out.spec_methods
         delta = self.detok.add(out.new_token_ids)
         if out.finished:
             delta += self.detok.flush()

@@ -12,6 +12,7 @@ PromQL (the Grafana dashboard uses these):
 - generation tokens/s:      sum(rate(specserve:generation_tokens_total[1m]))
 - acceptance rate:          sum(rate(specserve:spec_decode_num_accepted_tokens_total[5m]))
                             / sum(rate(specserve:spec_decode_num_draft_tokens_total[5m]))
+  by method (draft_model, suffix, ngram): the same with `sum by (method)`
 - mean accepted length:     sum(rate(specserve:spec_decode_accepted_length_sum[5m]))
                             / sum(rate(specserve:spec_decode_accepted_length_count[5m]))
   (tokens emitted per verification that had drafts: accepted drafts + 1)
@@ -60,8 +61,10 @@ class Metrics:
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the cache")
         self.spec_drafts = counter("spec_decode_num_drafts", "Verifications with drafts")
-        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified")
-        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified",
+                                         ["method"])
+        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted",
+                                     ["method"])
         self.spec_accepted_pos = counter("spec_decode_num_accepted_tokens_per_pos",
                                          "Draft tokens accepted at each draft position",
                                          ["position"])
@@ -85,6 +88,8 @@ class Metrics:
         self.num_waiting = gauge("num_requests_waiting", "Requests waiting")
         self.kv_usage = gauge("kv_cache_usage_perc", "KV cache blocks in use (0-1)", ["model"])
         self.spec_k = gauge("spec_decode_k", "Mean k chosen in the latest decoding step")
+        self.suffix_cache_tokens = gauge("spec_decode_suffix_cache_tokens", "Finished "
+                                         "requests' tokens held by the suffix cache")
         self.info = Info(P + "model", "Served model and configuration", registry=r)
         self._last: dict[str, int] = {}
         self._last_mask_seconds = 0.0
@@ -116,11 +121,13 @@ class Metrics:
             return
         st = speculator.stats
         self.kv_usage.labels("draft").set(
-            usage if speculator.config.method == "draft_model" else 0)
+            usage if speculator.config.uses_draft_model else 0)
         self.spec_k.set(st.last_mean_k)
         self._mirror("drafts", self.spec_drafts, st.num_drafts)
-        self._mirror("draft_tokens", self.spec_draft_tokens, st.num_draft_tokens)
-        self._mirror("accepted", self.spec_accepted, st.num_accepted_tokens)
+        for method, (_, drafted, accepted) in st.by_method.items():
+            self._mirror(f"draft_tokens:{method}", self.spec_draft_tokens.labels(method), drafted)
+            self._mirror(f"accepted:{method}", self.spec_accepted.labels(method), accepted)
+        self.suffix_cache_tokens.set(st.suffix_cache_tokens)
         for pos, count in enumerate(st.accepted_per_pos):
             self._mirror(f"pos{pos}", self.spec_accepted_pos.labels(str(pos)), count)
         for length in st.take_recent_lengths():

@@ -31,8 +31,15 @@ def usage(prompt_len: int, choices: list[ChoiceState]) -> dict:
             "prompt_tokens_details": {"cached_tokens": max(c.num_cached_tokens for c in choices)}}
     drafted = sum(c.drafted for c in choices)
     if drafted:
+        methods: dict[str, dict[str, int]] = {}
+        for c in choices:
+            for method, (d, a) in c.spec_methods.items():
+                m = methods.setdefault(method, {"drafted_tokens": 0, "accepted_tokens": 0})
+                m["drafted_tokens"] += d
+                m["accepted_tokens"] += a
         body["speculative"] = {"drafted_tokens": drafted,
-                               "accepted_tokens": sum(c.accepted for c in choices)}
+                               "accepted_tokens": sum(c.accepted for c in choices),
+                               "methods": methods}
     return body
 
 

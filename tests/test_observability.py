@@ -48,7 +48,7 @@ def spec_config(tmp_path: Path, model_dir: Path) -> Path:
   device: cpu
   num_threads: 1
   speculative:
-    method: draft_model
+    method: hybrid
     draft_model: {model_dir}
     k_max: 4
     adaptive: false
@@ -104,6 +104,7 @@ METRICS = [
     "specserve:request_queue_time_seconds_bucket", "specserve:spec_decode_accepted_length_bucket",
     "specserve:num_requests_running", "specserve:num_requests_waiting",
     "specserve:kv_cache_usage_perc", "specserve:spec_decode_k", "specserve:model_info",
+    "specserve:spec_decode_suffix_cache_tokens",
 ]
 
 
@@ -120,6 +121,11 @@ def test_every_metric_exists_with_sensible_values(spec_server):
     drafted = total(after, "specserve:spec_decode_num_draft_tokens_total")
     accepted = total(after, "specserve:spec_decode_num_accepted_tokens_total")
     assert 0 < accepted <= drafted
+    for method in ("draft_model", "suffix"):  # hybrid: each method's tokens apart
+        key = f'{{method="{method}"}}'
+        assert 0 < after["specserve:spec_decode_num_accepted_tokens_total" + key] \
+            <= after["specserve:spec_decode_num_draft_tokens_total" + key], method
+    assert after["specserve:spec_decode_suffix_cache_tokens"] > 0
     per_pos = [after.get(f'specserve:spec_decode_num_accepted_tokens_per_pos_total'
                          f'{{position="{j}"}}', 0.0) for j in range(4)]
     assert per_pos[0] > 0 and all(a >= b for a, b in zip(per_pos, per_pos[1:])), per_pos

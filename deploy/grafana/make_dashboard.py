@@ -28,6 +28,15 @@ PANELS = [
     ("Acceptance rate", "percentunit", [
         (f"sum(rate(specserve:spec_decode_num_accepted_tokens_total{I}[5m])) / "
          f"sum(rate(specserve:spec_decode_num_draft_tokens_total{I}[5m]))", "accepted / drafted")]),
+    ("Acceptance rate by method", "percentunit", [
+        (f"sum by (method) (rate(specserve:spec_decode_num_accepted_tokens_total{I}[5m])) / "
+         f"sum by (method) (rate(specserve:spec_decode_num_draft_tokens_total{I}[5m]))",
+         "{{method}}")]),
+    ("Draft tokens/s by method", "short", [
+        (f"sum by (method) (rate(specserve:spec_decode_num_draft_tokens_total{I}[1m]))",
+         "{{method}}")]),
+    ("Suffix cache size", "short", [
+        (f"max(specserve:spec_decode_suffix_cache_tokens{I})", "tokens")]),
     ("Mean accepted length (tokens per verification)", "short", [
         (f"sum(rate(specserve:spec_decode_accepted_length_sum{I}[5m])) / "
          f"sum(rate(specserve:spec_decode_accepted_length_count{I}[5m]))", "tokens")]),

@@ -227,6 +227,72 @@ class KController:
 
         return charge
 
+    def choose_hybrid(self, acceptance: list[float], free: list[list[float]],
+                      other_tokens: int, backlog: list[int] | None = None,
+                      remaining: list[int] | None = None, pending: int = 0,
+                      other_seqs: int = 0, draft: bool = True) -> tuple[list[int], list[int]]:
+        """(draft k, free k) per sequence, at most one of the two nonzero: each sequence takes
+        its free proposal (a suffix match: no draft forward) or the draft model's, or none,
+        whichever plan predicts the most tokens per second for the whole step.
+
+        free[i]: the confidences of sequence i's free proposal, per position j the predicted
+        chance that its drafts 1..j are all accepted (non-increasing). `acceptance` and the
+        rest are as in `choose`, for the draft model; draft=False: no draft model.
+        """
+        n = len(free)
+        k_max = self.k_max if draft else 0
+        if not n:
+            return [], []
+        if not self.adaptive or self.target_cost.empty:
+            kf = [len(c) for c in free]
+            return [0 if f else k_max for f in kf], kf
+        scale = self.gain_scale
+        charge = (self._catch_up_charge(acceptance, backlog, remaining, pending, scale)
+                  if k_max else (lambda i, gain: 0.0))
+        base, seqs = other_tokens + n, n + other_seqs
+        plain = n / max(self.target_cost(base, seqs), 1e-9)
+        slope_t = self.target_cost.slope(base, n)
+
+        def free_lengths(rate: float) -> list[int]:
+            # keep position j while its chance beats the cost of verifying it at this rate
+            return [sum(c > slope_t * rate for c in conf) for conf in free]
+
+        lengths = free_lengths(plain)
+        gains = [sum(conf[:m]) for conf, m in zip(free, lengths)]
+        rate = (n + sum(gains)) / max(self.target_cost(base + sum(lengths), seqs), 1e-9)
+        if rate > plain:  # stricter lengths at the rate the free proposals reach
+            lengths = free_lengths(rate)
+            gains = [sum(conf[:m]) for conf, m in zip(free, lengths)]
+        best_rate, best_kd, best_kf = plain * (1.0 + self.min_gain), [0] * n, [0] * n
+        free_tokens, free_gain = sum(lengths), sum(gains)
+        rate = (n + free_gain) / max(self.target_cost(base + free_tokens, seqs), 1e-9)
+        if rate > best_rate:
+            best_rate, best_kf = rate, list(lengths)
+        for k in range(1, k_max + 1):
+            dgain = [scale * self.predicted_accepted(a, k) for a in acceptance]
+            better = sorted((i for i in range(n) if dgain[i] > gains[i]),
+                            key=lambda i: gains[i] - dgain[i])
+            tokens, verified, catch_up = float(n + free_gain), base + free_tokens, 0.0
+            for m, i in enumerate(better, start=1):
+                tokens += dgain[i] - gains[i]
+                verified += k - lengths[i]
+                catch_up += charge(i, dgain[i])
+                cost = self.target_cost(verified, seqs) + self._draft_steps_cost(catch_up, m, k)
+                rate = tokens / max(cost, 1e-9)
+                if rate > best_rate:
+                    chosen = set(better[:m])
+                    best_rate = rate
+                    best_kd = [k if i in chosen else 0 for i in range(n)]
+                    best_kf = [0 if i in chosen else lengths[i] for i in range(n)]
+        # a drafting sequence keeps position j only where its gain beats its verification cost
+        threshold = slope_t * best_rate
+        for i, k in enumerate(best_kd):
+            a, j = acceptance[i], 0
+            while j < k and scale * a ** (j + 1) > threshold:
+                j += 1
+            best_kd[i] = j
+        return best_kd, best_kf
+
     def predicted_accepted(self, acceptance: float, k: int) -> float:
         """Accepted tokens the acceptance model expects of k drafts (no realized-gain scale)."""
         return expected_tokens(acceptance, k) - 1.0

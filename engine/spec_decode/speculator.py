@@ -10,7 +10,7 @@ step's tokens.
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -25,6 +25,7 @@ from engine.spec_decode.draft_model import DraftModelProposer
 from engine.spec_decode.ngram import NgramProposer
 from engine.spec_decode.proposer import Proposer
 from engine.spec_decode.stats import SpecDecodeStats
+from engine.spec_decode.suffix import SuffixCache, SuffixDraft
 
 # row_spec(seq, drafts_so_far) -> how to sample the position after those drafts
 RowSpecFn = Callable[[Sequence, list[int]], RowSpec]
@@ -53,26 +54,38 @@ class NoSpeculation:
 class Speculator(NoSpeculation):
     enabled = True
 
-    def __init__(self, config: SpeculativeConfig, proposer: Proposer, max_model_len: int,
-                 max_num_batched_tokens: int) -> None:
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer | None,
+                 max_model_len: int, max_num_batched_tokens: int,
+                 suffix: SuffixCache | None = None) -> None:
         self.config = config
-        self.proposer = proposer
+        self.proposer = proposer  # the draft model or prompt lookup; None: suffix only
+        self.suffix = suffix  # suffix and hybrid
+        self.method = "ngram" if config.method == "ngram" else "draft_model"  # the proposer's
         self.max_model_len = max_model_len
         self.budget = max_num_batched_tokens
         self.controller = KController(config.k_max, config.adaptive,
                                       draft_cost_free=config.method == "ngram")
-        self.stats = SpecDecodeStats(k_max=config.k_max)
+        k_stats = max(config.k_max, config.suffix_max_spec_tokens if suffix else 0)
+        self.stats = SpecDecodeStats(k_max=k_stats)
         self._draft_probs: dict[str, torch.Tensor] = {}  # request id -> [k, V] q
         self._acceptance: dict[str, float] = {}  # request id -> estimate its drafts were chosen on
+        # request id -> (method, match length of a suffix proposal) of its pending drafts
+        self._method: dict[str, tuple[str, int]] = {}
 
     def drop(self, seqs: list[Sequence], finished: bool) -> None:
         """Forget the drafts of sequences that left the running set (and all of their state
-        once `finished`)."""
+        once `finished`; a finished sequence's text joins the suffix cache)."""
         for seq in seqs:
             self._draft_probs.pop(seq.request_id, None)
             self._acceptance.pop(seq.request_id, None)
+            self._method.pop(seq.request_id, None)
             if finished:
-                self.proposer.free(seq)
+                if self.proposer is not None:
+                    self.proposer.free(seq)
+                if self.suffix is not None:
+                    self.suffix.finish(seq)
+        if self.suffix is not None:
+            self.stats.suffix_cache_tokens = self.suffix.num_tokens
 
     # -- drafting --------------------------------------------------------------------------
     def propose(self, running: list[Sequence], num_joining: int, row_spec: RowSpecFn) -> None:
@@ -80,11 +93,22 @@ class Speculator(NoSpeculation):
 
         num_joining: waiting requests that will be admitted soon (they decode in this batch too).
         """
+        if self.suffix is not None:
+            self.suffix.maintain()  # a bounded share of evicted texts' index cleanup
         candidates = [s for s in running if s.params.speculative
                       and s.num_computed_tokens == s.num_tokens - 1]
         if not candidates:
             return
-        ks = self._choose(running, candidates, num_joining)
+        free: list[SuffixDraft] | None = None
+        if self.suffix is not None:
+            rooms = [self._room(s) for s in candidates]
+            for s in candidates:
+                self.suffix.sync(s)
+            free = [self.suffix.propose(s, room) for s, room in zip(candidates, rooms)]
+        ks, kf = self._choose(running, candidates, num_joining, free)
+        for s, k, draft in zip(candidates, kf, free or []):
+            if k:
+                self._set_drafts(s, draft.token_ids[:k], None, ("suffix", draft.match_length))
         chosen = [(s, k) for s, k in zip(candidates, ks) if k > 0]
         if not chosen:
             return
@@ -96,37 +120,53 @@ class Speculator(NoSpeculation):
         for num_tokens, num_seqs, seconds in proposal.forward_seconds:
             self.controller.draft_cost.record(num_tokens, num_seqs, seconds)
         for seq, drafts, q in zip(seqs, proposal.token_ids, proposal.probs):
-            if seq.matcher is not None and drafts:  # structured output: drafts the grammar
-                valid = seq.matcher.validate_tokens(list(drafts))  # allows, to the first not
-                drafts, q = drafts[:valid], (None if q is None else q[:valid])
-            seq.draft_token_ids = list(drafts)
-            if q is not None and drafts:
-                self._draft_probs[seq.request_id] = q
-            else:
-                self._draft_probs.pop(seq.request_id, None)
+            self._set_drafts(seq, drafts, q, (self.method, 0))
 
-    def _choose(self, running: list[Sequence], candidates: list[Sequence],
-                num_joining: int) -> list[int]:
-        """k per candidate, from the controller, cut to the room each sequence has left."""
+    def _set_drafts(self, seq: Sequence, drafts: list[int], q: torch.Tensor | None,
+                    method: tuple[str, int]) -> None:
+        if seq.matcher is not None and drafts:  # structured output: drafts the grammar
+            valid = seq.matcher.validate_tokens(list(drafts))  # allows, to the first not
+            drafts, q = drafts[:valid], (None if q is None else q[:valid])
+        seq.draft_token_ids = list(drafts)
+        if q is not None and drafts:
+            self._draft_probs[seq.request_id] = q
+        else:
+            self._draft_probs.pop(seq.request_id, None)
+        self._method[seq.request_id] = method
+
+    def _alpha(self, seq: Sequence, prior: float) -> float:
+        """The sequence's acceptance estimate for the draft model (or prompt lookup)."""
+        _, accepted, rejections = seq.spec_methods.get(self.method, (0, 0, 0))
+        return AcceptanceStats(accepted, rejections).estimate(prior)
+
+    def _choose(self, running: list[Sequence], candidates: list[Sequence], num_joining: int,
+                free: list[SuffixDraft] | None) -> tuple[list[int], list[int]]:
+        """(proposer k, suffix k) per candidate, from the controller, cut to the room each
+        sequence has left."""
         ctl = self.controller
         prior = ctl.prior_acceptance
-        alphas = [AcceptanceStats(s.num_accepted_tokens, s.num_spec_rejections).estimate(prior)
-                  for s in candidates]
+        alphas = [self._alpha(s, prior) for s in candidates]
         others = [s for s in running if s not in candidates]
         other_tokens = sum(min(s.num_uncomputed_tokens, self.budget) for s in others)
         backlog = [s.num_tokens - s.num_draft_computed for s in candidates]
         rooms = [self._room(s) for s in candidates]
         pending = num_joining + sum(s.params.speculative and s.num_computed_tokens <
                                     s.num_tokens - 1 for s in running)  # decode soon
-        ks = ctl.choose(alphas, other_tokens, backlog, [r + 1 for r in rooms], pending,
-                        len(others))
+        if free is None:
+            ks = ctl.choose(alphas, other_tokens, backlog, [r + 1 for r in rooms], pending,
+                            len(others))
+            kf = [0] * len(candidates)
+        else:
+            ks, kf = ctl.choose_hybrid(alphas, [d.confidence for d in free], other_tokens,
+                                       backlog, [r + 1 for r in rooms], pending, len(others),
+                                       draft=self.proposer is not None)
         if not any(ks):  # a step without drafts: old evidence must not keep k at 0 for good
             ctl.decay_evidence()
         ks = [min(k, room) for k, room in zip(ks, rooms)]
-        self.stats.record_choice(ks)
+        self.stats.record_choice([max(a, b) for a, b in zip(ks, kf)])
         for s, a in zip(candidates, alphas):
             self._acceptance[s.request_id] = a
-        return ks
+        return ks, kf
 
     def _room(self, seq: Sequence) -> int:
         """Drafts that can still matter: before max_tokens and inside the context."""
@@ -149,12 +189,22 @@ class Speculator(NoSpeculation):
         for seq, num_drafted, num_accepted in verified:
             if num_drafted:
                 self._record(seq, num_drafted, num_accepted)
+            else:
+                self._method.pop(seq.request_id, None)
 
     def _record(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
+        method, match_length = self._method.pop(seq.request_id, (self.method, 0))
         seq.num_drafted_tokens += num_drafted
         seq.num_accepted_tokens += num_accepted
         seq.num_spec_rejections += num_accepted < num_drafted
-        self.stats.record_verification(num_drafted, num_accepted)
+        counts = seq.spec_methods.setdefault(method, [0, 0, 0])
+        counts[0] += num_drafted
+        counts[1] += num_accepted
+        counts[2] += num_accepted < num_drafted
+        self.stats.record_verification(num_drafted, num_accepted, method)
+        if method == "suffix":  # the suffix cache calibrates its own confidences
+            self.suffix.record(seq, match_length, num_drafted, num_accepted)
+            return
         a = self._acceptance.get(seq.request_id)
         self.controller.record_verification(
             num_drafted, num_accepted,
@@ -168,16 +218,25 @@ def build_speculator(config: EngineConfig, target: ModelRunner, block_manager: B
     speculative = config.speculative
     if not speculative.enabled:
         return NoSpeculation()
+    proposer: Proposer | None = None
     if speculative.method == "ngram":
-        proposer: Proposer = NgramProposer(speculative.ngram_min_n, speculative.ngram_max_n)
-    else:
+        proposer = NgramProposer(speculative.ngram_min_n, speculative.ngram_max_n)
+    elif speculative.uses_draft_model:
         proposer = DraftModelProposer(
             draft_model, num_blocks=block_manager.num_blocks, block_size=config.block_size,
             block_manager=block_manager, target_vocab_size=target.shape.vocab_size,
             tokenizer_size=tokenizer_size, seed=config.seed,
             cpu_matmul_autotune=config.cpu_matmul_autotune,
             stop_confidence=speculative.draft_stop_confidence)
-    speculator = Speculator(speculative, proposer, max_model_len, config.max_num_batched_tokens)
+    suffix = None
+    if speculative.method in ("suffix", "hybrid"):
+        suffix = SuffixCache(max_tokens=speculative.suffix_cache_tokens,
+                             cross_request=speculative.suffix_cross_request,
+                             max_spec_tokens=speculative.suffix_max_spec_tokens,
+                             spec_factor=speculative.suffix_spec_factor,
+                             min_token_prob=speculative.suffix_min_token_prob)
+    speculator = Speculator(speculative, proposer, max_model_len, config.max_num_batched_tokens,
+                            suffix)
     if speculative.adaptive and speculative.calibrate:
         calibrate(speculator.controller, block_manager, target,
                   getattr(proposer, "runner", None))

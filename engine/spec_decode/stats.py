@@ -18,6 +18,9 @@ class SpecDecodeStats:
     k_chosen_count: int = 0
     last_mean_k: float = 0.0  # mean k chosen in the latest step that had decoding sequences
     draft_seconds: float = 0.0
+    # per method ("draft_model", "suffix", "ngram"): [verifications, drafted, accepted]
+    by_method: dict[str, list[int]] = field(default_factory=dict)
+    suffix_cache_tokens: int = 0  # finished requests' tokens the suffix cache holds
     # tokens emitted by each recent verification with drafts, for a metrics consumer
     recent_lengths: deque = field(default_factory=lambda: deque(maxlen=10_000))
 
@@ -30,15 +33,20 @@ class SpecDecodeStats:
         self.k_chosen_count += len(ks)
         self.last_mean_k = sum(ks) / len(ks) if ks else 0.0
 
-    def record_verification(self, num_drafted: int, num_accepted: int) -> None:
+    def record_verification(self, num_drafted: int, num_accepted: int,
+                            method: str = "draft_model") -> None:
         if not num_drafted:
             return
+        counts = self.by_method.setdefault(method, [0, 0, 0])
+        counts[0] += 1
+        counts[1] += num_drafted
+        counts[2] += num_accepted
         self.num_drafts += 1
         self.num_draft_tokens += num_drafted
         self.num_accepted_tokens += num_accepted
         self.num_emitted_tokens += num_accepted + 1
         self.recent_lengths.append(num_accepted + 1)
-        for j in range(num_accepted):
+        for j in range(min(num_accepted, len(self.accepted_per_pos))):
             self.accepted_per_pos[j] += 1
 
     def take_recent_lengths(self) -> list[int]:

@@ -1,0 +1,197 @@
+"""Speculation methods side by side on the packaged Qwen2.5-Coder pair, in ONE run.
+
+Methods: plain (no speculation), draft_model (the 0.5B draft, adaptive k), ngram (prompt lookup),
+suffix (suffix matches in the sequence's own text and in earlier requests' texts), hybrid
+(per sequence per step, the suffix match or the draft model, whichever the cost model predicts
+pays more). Target bf16, draft bf16 with int8 linears (as served), greedy unless stated.
+
+Workloads (prompts written for this project's benchmarks, no external dataset):
+- chat: bench/prompts/chat.jsonl, 8 coding and prose questions;
+- code_edit: bench/prompts/code_edit.jsonl, 8 requests whose answer rewrites the given code
+  with a small change (rename, type hints, a fix); `--edit-max-tokens` (96) new tokens, as
+  the answers open with a sentence before the code;
+- repeated: the 8 chat requests issued three times in a row, as an agent loop re-issues its
+  requests (the second and third rounds can be drafted from the first round's outputs);
+- chat_t0.7: the chat requests at temperature 0.7, seeded.
+Each runs at concurrency 1 (one request at a time, the first `--c1-prompts` prompts: 4 by
+default, to fit the run in half an hour on 2 cores) and 8 (all 8 at once; repeated: one round
+of 8 after the other); plain and hybrid also chat at 16 (the 8 prompts twice). Every (method, workload,
+concurrency) starts with an empty suffix cache and an empty prefix cache, so no case is helped
+by an earlier case's text. Greedy identity: each method's token ids vs plain's.
+
+    python bench/spec_methods.py [--max-tokens 48] [--c1-prompts 4] [--quick]
+
+Prints a table, ends with a RESULT line, writes bench/results/spec_methods.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from results_file import write_results  # noqa: E402
+
+from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from engine.block_manager import BlockManager  # noqa: E402
+from engine.config import SpeculativeConfig  # noqa: E402
+from engine.models.draft import prepare_draft  # noqa: E402
+from engine.models.loader import load_model  # noqa: E402
+from engine.spec_decode.suffix import SuffixCache  # noqa: E402
+
+TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
+METHODS = ("plain", "draft_model", "ngram", "suffix", "hybrid")
+
+
+def load_prompts(tok, path):
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return [tok.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=True,
+                                    return_dict=False) for r in rows]
+
+
+def make_engine(method, target, draft, tok, k_max):
+    spec = SpeculativeConfig(method="none" if method == "plain" else method,
+                             draft_model=DRAFT if method in ("draft_model", "hybrid") else None,
+                             k_max=k_max, adaptive=True)
+    uses_draft = method in ("draft_model", "hybrid")
+    return LLMEngine(EngineConfig(kv_cache_memory_gb=1.5, max_num_seqs=32,
+                                  max_num_batched_tokens=512, speculative=spec),
+                     model=target, tokenizer=tok, draft_model=draft if uses_draft else None)
+
+
+def forget_history(engine) -> None:
+    """An empty suffix cache (same settings) and an empty prefix cache."""
+    bm = engine.block_manager
+    engine.block_manager.__dict__.update(BlockManager(bm.num_blocks, bm.block_size,
+                                                      bm.enable_prefix_caching).__dict__)
+    spec = engine.speculator
+    if getattr(spec, "suffix", None) is not None:
+        old = spec.suffix
+        spec.suffix = SuffixCache(max_tokens=old.max_tokens, cross_request=old.cross_request,
+                                  max_spec_tokens=old.max_spec_tokens,
+                                  spec_factor=old.spec_factor,
+                                  min_token_prob=old.min_token_prob)
+
+
+def run(engine, rounds, params, concurrency):
+    """rounds: lists of prompts issued one round after the other; within a round, `concurrency`
+    requests at a time. Returns (token ids per request, tokens, seconds)."""
+    outputs, t0 = [], time.perf_counter()
+    for prompts in rounds:
+        for lo in range(0, len(prompts), concurrency):
+            batch = prompts[lo:lo + concurrency]
+            ps = params[lo:lo + concurrency] if isinstance(params, list) else params
+            outputs += [o.output_token_ids for o in engine.generate(batch, ps)]
+    seconds = time.perf_counter() - t0
+    return outputs, sum(len(o) for o in outputs), seconds
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--edit-max-tokens", type=int, default=96,
+                        help="code_edit: long enough to reach the rewritten code")
+    parser.add_argument("--k-max", type=int, default=6)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--c1-prompts", type=int, default=4,
+                        help="prompts per workload at concurrency 1")
+    parser.add_argument("--quick", action="store_true", help="2 prompts, 24 tokens: a smoke run")
+    parser.add_argument("--out", default=str(ROOT / "bench/results/spec_methods.md"))
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target, tok = load_model(TARGET, dtype="bfloat16")
+    draft, _ = load_model(DRAFT, dtype="bfloat16")
+    draft = prepare_draft(draft, "int8", owned=True)
+    chat = load_prompts(tok, ROOT / "bench/prompts/chat.jsonl")
+    edit = load_prompts(tok, ROOT / "bench/prompts/code_edit.jsonl")
+    n = 2 if args.quick else 8
+    max_tokens = 24 if args.quick else args.max_tokens
+    chat, edit = chat[:n], edit[:n]
+    greedy = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    edit_tokens = max_tokens if args.quick else args.edit_max_tokens
+    greedy_edit = SamplingParams(temperature=0, max_tokens=edit_tokens, ignore_eos=True)
+    sampled = [SamplingParams(temperature=0.7, seed=100 + i, max_tokens=max_tokens,
+                              ignore_eos=True) for i in range(n)]
+    workloads = {  # name -> (rounds, params, concurrencies)
+        "chat": ([chat], greedy, (1, 8)),
+        "code_edit": ([edit], greedy_edit, (1, 8)),
+        "repeated": ([chat, chat, chat], greedy, (1, 8)),
+        "chat_t0.7": ([chat], sampled, (1, 8)),
+    }
+    rates: dict[tuple[str, str, int], float] = {}
+    rows, plain_out, identical = [], {}, {}
+    c1 = 2 if args.quick else args.c1_prompts
+    for method in METHODS:
+        engine = make_engine(method, target, draft, tok, args.k_max)
+        for name, (rounds, params, concs) in workloads.items():
+            if name == "chat" and method in ("plain", "hybrid"):
+                concs = (1, 8, 16)
+            for c in concs:
+                if c == 16:  # the 8 prompts twice, all at once
+                    rounds_c, params_c = [rounds[0] * 2], params
+                elif c == 1:
+                    rounds_c = [r[:c1] for r in rounds]
+                    params_c = params[:c1] if isinstance(params, list) else params
+                else:
+                    rounds_c, params_c = rounds, params
+                forget_history(engine)
+                st = engine.speculator.stats
+                before = {m: list(v) for m, v in (st.by_method.items() if st else [])}
+                outs, tokens, seconds = run(engine, rounds_c, params_c, min(c, n * 2))
+                rates[method, name, c] = tokens / seconds
+                by = {}
+                if st:
+                    for m, (v, d, a) in st.by_method.items():
+                        b = before.get(m, [0, 0, 0])
+                        if d - b[1]:
+                            by[m] = (d - b[1], a - b[2])
+                if method == "plain":
+                    plain_out[name, c] = outs
+                same = ("" if name == "chat_t0.7" else
+                        f"{sum(a == b for a, b in zip(outs, plain_out[name, c]))}/{len(outs)}")
+                if same:
+                    identical[method, name, c] = same
+                accept = ", ".join(f"{m} {a}/{d}" for m, (d, a) in sorted(by.items()))
+                suffix = getattr(engine.speculator, "suffix", None)
+                upd = (f"{1e3 * suffix.max_update_seconds:.1f}" if suffix is not None else "")
+                rows.append((method, name, c, tokens, seconds, tokens / seconds,
+                             rates[method, name, c] / rates["plain", name, c], same, accept, upd))
+                print(f"{method:12s} {name:10s} c={c:<3d} {tokens / seconds:6.2f} tok/s  "
+                      f"x{rows[-1][6]:.2f}  same={same}  {accept}  max_update_ms={upd}",
+                      flush=True)
+        del engine
+    header = ("| method | workload | concurrency | tokens | seconds | tokens/s | x plain | "
+              "greedy identical to plain | accepted/drafted by method | suffix update max ms |")
+    table = "\n".join([header, "|" + "---|" * 10] + [
+        f"| {m} | {w} | {c} | {t} | {s:.1f} | {r:.2f} | {x:.2f} | {same} | {acc} | {upd} |"
+        for m, w, c, t, s, r, x, same, acc, upd in rows])
+    worst = min(rates["hybrid", w, c] / rates["plain", w, c] for (m, w, c) in rates
+                if m == "hybrid")
+    result = (f"RESULT code_edit_hybrid={rates['hybrid', 'code_edit', 1] / rates['plain', 'code_edit', 1]:.2f} "
+              f"repeated_hybrid={rates['hybrid', 'repeated', 1] / rates['plain', 'repeated', 1]:.2f} "
+              f"chat_hybrid_vs_draft={rates['hybrid', 'chat', 1] / rates['draft_model', 'chat', 1]:.2f} "
+              f"worst_hybrid_vs_plain={worst:.2f}")
+    print(table)
+    print(result)
+    not_same = {k: v for k, v in identical.items() if v.split("/")[0] != v.split("/")[1]}
+    details = [f"target {TARGET} bf16, draft {DRAFT} bf16 with int8 linears, k_max {args.k_max} "
+               f"(draft model), suffix defaults (max 32 drafts), adaptive",
+               f"{n} prompts per workload ({c1} at concurrency 1), {max_tokens} new tokens "
+               f"each ({edit_tokens} for code_edit), ignore_eos",
+               f"greedy outputs that differ from plain: {not_same or 'none'}"]
+    if not args.quick:
+        write_results(args.out, "Speculation methods: plain, draft model, n-gram, suffix, hybrid",
+                      torch.get_num_threads(), details, table, result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
