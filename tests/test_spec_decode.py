@@ -259,9 +259,22 @@ def test_catching_up_on_last_steps_tokens_is_a_cost_of_every_step():
     target = {16: 0.30, 32: 0.43, 48: 0.56}
     draft = {16: 0.06, 32: 0.11, 48: 0.16}
     ctl = controller(target, draft)
+    ctl.min_gain_per_seq = 0.0  # this is about the catch-up charge, not the batch's margin
     acc = [0.75] * 16
     assert ctl.choose(acc, 0, backlog=[2] * 16, remaining=[1000] * 16) == [0] * 16
     assert sum(ctl.choose(acc, 0, backlog=[1] * 16, remaining=[1000] * 16)) > 0
+
+
+def test_the_margin_over_plain_grows_with_the_batch():
+    ctl = KController(k_max=4)
+    assert ctl.margin(1) == pytest.approx(0.03)
+    assert ctl.margin(8) == pytest.approx(0.10)
+    assert ctl.margin(64) == pytest.approx(0.12)
+    # a 7% predicted win speculates for one sequence, not for eight
+    one = controller({1: 0.1, 2: 0.1, 3: 0.1, 8: 0.1, 16: 0.1, 24: 0.1, 32: 0.1}, {1: 0.001,
+                                                                                 8: 0.001})
+    assert sum(one.choose([0.07], 0)) > 0
+    assert sum(one.choose([0.07] * 8, 0)) == 0
 
 
 def test_a_prompt_backlog_is_caught_up_only_for_a_clear_win():

@@ -43,16 +43,19 @@ class DraftModelProposer(Proposer):
     def __init__(self, model: torch.nn.Module, *, num_blocks: int, block_size: int,
                  block_manager: BlockManager, target_vocab_size: int,
                  tokenizer_size: int | None = None, seed: int = 0,
-                 cpu_matmul_autotune: bool = False, stop_confidence: float = 0.0) -> None:
+                 cpu_matmul_autotune: bool = False, stop_confidence: float = 0.0,
+                 attention_backend: str = "auto", coupled: bool = True) -> None:
         draft_vocab = ModelShape.of(model).vocab_size
         check_vocab(draft_vocab, target_vocab_size, tokenizer_size)
         self.runner = ModelRunner(model, num_blocks, block_size,
-                                  cpu_matmul_autotune=cpu_matmul_autotune)
+                                  cpu_matmul_autotune=cpu_matmul_autotune,
+                                  attention_backend=attention_backend)
         self.block_manager = block_manager
         self.target_vocab_size = target_vocab_size
         self.valid_vocab = min(draft_vocab, target_vocab_size, tokenizer_size or draft_vocab)
         self.device = self.runner.device
         self.stop_confidence = stop_confidence
+        self.coupled = coupled  # seeded requests are verified by the target's keyed pick
         # unseeded requests draft from the engine seed's stream, apart from the verifier's;
         # seeded ones with the noise key their rows carry
         self.generator = torch.Generator(device=self.device).manual_seed(seed + 1)
@@ -112,7 +115,11 @@ class DraftModelProposer(Proposer):
         tensors = sampler.build_sampling_tensors(row_specs, self.target_vocab_size, self.device)
         processed = sampler.process_logits(logits, tensors)
         sampled = sampler.sample(processed, tensors, self.generator)
-        q = None if tensors.all_greedy else torch.softmax(processed, dim=-1)
+        # q is read only by rejection sampling: not for greedy rows, nor for seeded rows under
+        # coupled verification (verified by the target's own keyed pick)
+        need_q = any(not (r.params.greedy or (self.coupled and r.params.seed is not None))
+                     for r in row_specs)
+        q = torch.softmax(processed, dim=-1) if need_q else None
         confident = [True] * len(items)
         if self.stop_confidence > 0.0 and more_wanted:
             chosen = processed.gather(1, sampled[:, None]).squeeze(1)
