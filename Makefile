@@ -4,7 +4,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.specserve-installed
 PYTEST_ARGS ?=
 
-.PHONY: install test serve bench-engine bench-spec bench-server clean
+.PHONY: install test serve bench-engine bench-spec bench-methods bench-server wheelhouse \
+	gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -29,6 +30,20 @@ bench-engine: install
 bench-spec: install
 	$(VENV)/bin/specserve models fetch qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct
 	$(PY) bench/spec_decode.py
+
+bench-methods: install
+	$(VENV)/bin/specserve models fetch qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct
+	$(PY) bench/spec_methods.py
+
+# The server's packages as CPython 3.12 manylinux wheels, for `make gpu-check` on a machine
+# without network (torch, transformers and triton are expected there already).
+wheelhouse: install
+	$(PY) scripts/wheelhouse.py --out .wheelhouse
+
+# On a machine with an NVIDIA GPU: CUDA tests, bench/gpu_bench.py, one HTTP request on cuda.
+# Uses that machine's python3 (torch + CUDA, transformers, triton), never this venv.
+gpu-check:
+	scripts/gpu_check.sh
 
 bench-server: install
 	$(VENV)/bin/specserve models fetch smollm2-135m-instruct

@@ -101,6 +101,16 @@ class EngineConfig:
     # do not depend on the other rows of the call, so greedy and seeded output do not change
     # with speculation or batching; replaces the autotune for the target; see README)
     batch_invariant: bool = True
+    # auto: the Triton paged-attention kernel on CUDA (when triton is installed), PyTorch SDPA
+    # on CPU | sdpa | triton (on CPU only through Triton's interpreter: slow, for tests)
+    attention_backend: str = "auto"
+    # steps of short sequences (decode, verification of 1 + k, draft steps) in padded static
+    # buckets of these batch sizes x (1 + k_max) tokens: auto = captured as CUDA graphs on CUDA
+    # with the triton backend, off elsewhere | off | static (the buckets without capture, on
+    # any device: how the CPU tests cover them). Longer steps run eagerly.
+    cuda_graphs: str = "auto"
+    cuda_graph_batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64,
+                                                                        128])
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     @classmethod
@@ -119,6 +129,15 @@ class EngineConfig:
             raise ValueError("invalid engine config num_blocks: must be >= 1")
         if self.kv_cache_memory_gb <= 0:
             raise ValueError("invalid engine config kv_cache_memory_gb: must be > 0")
+        if self.attention_backend not in ("auto", "sdpa", "triton"):
+            raise ValueError(f"invalid engine config attention_backend: "
+                             f"{self.attention_backend!r}; use auto, sdpa or triton")
+        if self.cuda_graphs not in ("auto", "off", "static"):
+            raise ValueError(f"invalid engine config cuda_graphs: {self.cuda_graphs!r}; use "
+                             f"auto, off or static")
+        if not self.cuda_graph_batch_sizes or any(
+                not isinstance(b, int) or b < 1 for b in self.cuda_graph_batch_sizes):
+            raise ValueError("invalid engine config cuda_graph_batch_sizes: positive integers")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("invalid engine config max_model_len: must be >= 2")
 

@@ -86,11 +86,13 @@ class LLMEngine:
         num_blocks = config.num_blocks or self._blocks_for_memory(models)
         self.runner = ModelRunner(model, num_blocks, config.block_size,
                                   cpu_matmul_autotune=config.cpu_matmul_autotune,
-                                  batch_invariant=config.batch_invariant)
+                                  batch_invariant=config.batch_invariant,
+                                  attention_backend=config.attention_backend)
         self.vocab_size = self.runner.shape.vocab_size
         self.block_manager = BlockManager(num_blocks, config.block_size,
                                           config.enable_prefix_caching)
         self.max_model_len = self._max_model_len(model, num_blocks)
+        self._static_steps(self.runner)
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_batched_tokens=config.max_num_batched_tokens,
                             max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len),
@@ -103,7 +105,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self.speculator = build_speculator(
             config, self.runner, self.block_manager, draft_model,
-            len(tokenizer) if tokenizer is not None else None, self.max_model_len)
+            len(tokenizer) if tokenizer is not None else None, self.max_model_len,
+            self._static_steps)
         self._grammars: Grammars | None = None  # built with the first grammar request
         self._mask_thread: ThreadPoolExecutor | None = None
         self.num_grammar_requests = 0
@@ -145,6 +148,22 @@ class LLMEngine:
                                                       shape.num_kv_heads, shape.head_dim,
                                                       model.get_input_embeddings().weight.dtype)
         return max(1, int(self.config.kv_cache_memory_gb * (1 << 30) // per_block))
+
+    def _static_steps(self, runner: ModelRunner) -> None:
+        """Padded static steps (captured as CUDA graphs) for `runner`, as `cuda_graphs` says."""
+        mode = self.config.cuda_graphs
+        capture = mode == "auto" and runner.device.type == "cuda"
+        if mode == "off" or (mode == "auto" and not capture):
+            return
+        if runner.attention_backend != "triton":
+            if mode == "static":
+                raise ValueError("invalid engine config cuda_graphs: static steps need "
+                                 "attention_backend triton")
+            return  # auto on CUDA without triton: eager
+        spec = self.config.speculative
+        tokens = 1 + (spec.k_max if spec.enabled else 0)
+        runner.enable_static_steps(tuple(self.config.cuda_graph_batch_sizes), tokens,
+                                   self.max_model_len, capture)
 
     def _max_model_len(self, model: torch.nn.Module, num_blocks: int) -> int:
         model_len = getattr(model.config.get_text_config(), "max_position_embeddings", None)

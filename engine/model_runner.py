@@ -37,6 +37,18 @@ class ModelShape:
         return cls(cfg.num_hidden_layers, kv_heads, head_dim, vocab)
 
 
+def resolve_attention_backend(name: str, device: torch.device) -> str:
+    """auto: the Triton kernel on CUDA when Triton is installed, SDPA otherwise."""
+    if name not in ("auto", "sdpa", "triton"):
+        raise ValueError(f"invalid engine config attention_backend: {name!r}; "
+                         f"use auto, sdpa or triton")
+    if name != "auto":
+        return name
+    from engine.attention import triton_backend
+
+    return "triton" if device.type == "cuda" and triton_backend.available() else "sdpa"
+
+
 @dataclass
 class RunItem:
     """One sequence's part of a forward: new tokens at positions start, start + 1, ..."""
@@ -56,25 +68,36 @@ class StepLogits:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int,
                  backend: paged.AttentionBackend | None = None,
-                 cpu_matmul_autotune: bool = False, batch_invariant: bool = False) -> None:
+                 cpu_matmul_autotune: bool = False, batch_invariant: bool = False,
+                 attention_backend: str = "auto") -> None:
         """batch_invariant: measure and install the rule of engine/kernels/batch_invariant.py
         (a row's logits never depend on the other rows of the step); it replaces the CPU
-        matmul autotune, whose few-row forms change the reduction with the row count."""
+        matmul autotune, whose few-row forms change the reduction with the row count.
+        attention_backend: auto (triton on CUDA when installed, else sdpa) | sdpa | triton;
+        ignored when `backend` is given."""
         if getattr(model.config, "is_encoder_decoder", False):
             raise ValueError("only decoder-only causal language models are supported")
         model.set_attn_implementation(paged.register())
         self.model = model.eval()
+        self.device = next(model.parameters()).device
+        self.attention_backend = (type(backend).__name__ if backend is not None
+                                  else resolve_attention_backend(attention_backend, self.device))
         self.invariance = None
         if batch_invariant:
             from engine.kernels.batch_invariant import make_batch_invariant
 
-            self.invariance = make_batch_invariant(model)
-            backend = backend or paged.SDPABackend(self.invariance.attention)
+            self.invariance = make_batch_invariant(
+                model, "triton" if self.attention_backend == "triton" else "sdpa")
         elif cpu_matmul_autotune:
             from engine.kernels.linear import autotune_linears
 
             autotune_linears(model)
-        self.device = next(model.parameters()).device
+        if backend is None and self.attention_backend == "triton":
+            from engine.attention.triton_backend import TritonBackend
+
+            backend = TritonBackend()
+        elif backend is None:
+            backend = paged.SDPABackend(self.invariance.attention if self.invariance else None)
         self.dtype = model.get_input_embeddings().weight.dtype  # also for quantized linears
         self.shape = ModelShape.of(model)
         self.block_size = block_size
@@ -85,9 +108,37 @@ class ModelRunner:
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         # A prepared 4-D mask makes transformers skip building its own; ours reads block tables.
         self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
+        self.static = None  # padded static-buffer steps (and CUDA graphs), when enabled
+
+    def enable_static_steps(self, batch_sizes: tuple[int, ...], tokens_per_seq: int,
+                            max_model_len: int, capture: bool) -> None:
+        """Run steps of short sequences in padded static buckets, captured as CUDA graphs when
+        `capture` (engine/static_steps.py)."""
+        from engine.static_steps import StaticSteps
+
+        self.static = StaticSteps(self, batch_sizes, tokens_per_seq,
+                                  -(-max_model_len // self.block_size), capture)
+        if capture:
+            with torch.inference_mode():
+                self.static.warm_up()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor,
+                meta: paged.AttentionMetadata) -> torch.Tensor:
+        """One forward over prepared inputs ([1, T] ids and positions, rows to keep); returns
+        the model's logits [1, len(keep), V]."""
+        self.kv.meta = meta
+        try:
+            return self.model(input_ids=input_ids, position_ids=positions,
+                              attention_mask=self._no_mask, use_cache=False,
+                              logits_to_keep=keep, **{self._cache_kwarg: self.kv}).logits
+        finally:
+            self.kv.meta = None
 
     @torch.inference_mode()
     def execute(self, items: list[RunItem]) -> StepLogits:
+        if self.static is not None and self.static.fits(items):
+            logits, row_offsets = self.static.execute(items)
+            return StepLogits(logits, row_offsets)
         input_ids, positions, slot_mapping, keep, row_offsets = [], [], [], [], [0]
         spans = []
         bs = self.block_size
@@ -101,16 +152,8 @@ class ModelRunner:
             keep += range(q_start + end - start - item.num_rows, q_start + end - start)
             row_offsets.append(row_offsets[-1] + item.num_rows)
         dev = self.device
-        self.kv.meta = self.kv.backend.build_metadata(spans, slot_mapping, bs, dev)
-        try:
-            out = self.model(
-                input_ids=torch.tensor([input_ids], device=dev),
-                position_ids=torch.tensor([positions], device=dev),
-                attention_mask=self._no_mask,
-                use_cache=False,
-                logits_to_keep=torch.tensor(keep, dtype=torch.long, device=dev),
-                **{self._cache_kwarg: self.kv},
-            )
-        finally:
-            self.kv.meta = None
-        return StepLogits(out.logits[0].float(), row_offsets)
+        logits = self.forward(torch.tensor([input_ids], device=dev),
+                              torch.tensor([positions], device=dev),
+                              torch.tensor(keep, dtype=torch.long, device=dev),
+                              self.kv.backend.build_metadata(spans, slot_mapping, bs, dev))
+        return StepLogits(logits[0].float(), row_offsets)

@@ -8,6 +8,8 @@ import pytest
 import torch
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+if not torch.cuda.is_available():  # Triton kernels run in its interpreter (before any import)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 CORPUS = """
 The quick brown fox jumps over the lazy dog. A continuous batching engine serves many

@@ -186,15 +186,18 @@ def _slots(block_tables: torch.Tensor, block_size: int) -> torch.Tensor:
 
 
 class PagedKVCache:
-    """One model's KV tensors `[num_blocks, block_size, kv_heads, head_dim]` per layer.
+    """One model's KV tensors `[num_blocks + 1, block_size, kv_heads, head_dim]` per layer.
 
     Passed to the model as its cache; holds the current step's metadata while a forward runs.
+    The block after the pool's (`scratch_block`) belongs to no sequence: padding rows of static
+    steps write their K/V there.
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device,
                  backend: AttentionBackend | None = None) -> None:
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        shape = (num_blocks + 1, block_size, num_kv_heads, head_dim)
+        self.scratch_block = num_blocks
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.num_blocks, self.block_size = num_blocks, block_size

@@ -159,25 +159,38 @@ def make_linears_invariant(model: torch.nn.Module, report: InvarianceReport) -> 
 
 
 def check_attention(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                    device: torch.device, report: InvarianceReport) -> None:
-    """Pick the attention call layout from measurement (see the module docstring)."""
+                    device: torch.device, report: InvarianceReport,
+                    backend: str = "sdpa") -> None:
+    """Pick the attention call layout from measurement (see the module docstring); the
+    Triton kernel needs no layout (it is invariant by construction), and is checked as is."""
+    from engine.attention.paged import SDPABackend
+
     shape = (num_heads, num_kv_heads, head_dim, dtype, device)
+    if backend == "triton":
+        from engine.attention.triton_backend import TritonBackend
+
+        if not _once(("attention", "triton", *shape),
+                     lambda: _attention_invariant(TritonBackend(), *shape)):
+            report.invariant = False
+            report.problems.append(f"attention ({dtype}): the triton kernel's rows differ")
+        return
     for q_multiple in Q_MULTIPLES:
         layout = InvariantLayout(q_multiple, KV_MULTIPLE)
-        if _once(("attention", layout, *shape), lambda: _attention_invariant(layout, *shape)):
+        if _once(("attention", layout, *shape),
+                 lambda: _attention_invariant(SDPABackend(layout), *shape)):
             report.attention = layout
             return
     report.invariant = False
     report.problems.append(f"attention ({dtype}): no call layout gives invariant rows")
 
 
-def _attention_invariant(layout, num_heads: int, num_kv_heads: int, head_dim: int,
+def _attention_invariant(backend, num_heads: int, num_kv_heads: int, head_dim: int,
                          dtype: torch.dtype, device: torch.device) -> bool:
     """Every row of one sequence of ATTENTION_CONTEXT tokens, computed as one whole prompt, must
     have the same bits as when it is computed as a decode, inside a verification, inside a
     prompt chunk with a past, and beside other sequences (the same sequence at other
     positions, which is as good a neighbour as any and needs no second cache)."""
-    from engine.attention.paged import SDPABackend, SeqSpan
+    from engine.attention.paged import SeqSpan
 
     gen = torch.Generator(device="cpu").manual_seed(0)
 
@@ -185,7 +198,6 @@ def _attention_invariant(layout, num_heads: int, num_kv_heads: int, head_dim: in
         return torch.randn(*shape, generator=gen).to(dtype=dtype, device=device)
 
     n, block_size = ATTENTION_CONTEXT, 16
-    backend = SDPABackend(layout)
     table = list(range(-(-n // block_size)))
 
     def run(spans: list[tuple[int, int]]) -> tuple[list[int], torch.Tensor]:
@@ -224,8 +236,9 @@ def _attention_invariant(layout, num_heads: int, num_kv_heads: int, head_dim: in
     return True
 
 
-def make_batch_invariant(model: torch.nn.Module) -> InvarianceReport:
-    """Measure and install the rule on `model` (the target); returns what holds."""
+def make_batch_invariant(model: torch.nn.Module, attention: str = "sdpa") -> InvarianceReport:
+    """Measure and install the rule on `model` (the target); returns what holds.
+    `attention`: the attention backend the model runs with (sdpa | triton)."""
     t0 = time.perf_counter()
     report = InvarianceReport()
     make_linears_invariant(model, report)
@@ -234,7 +247,7 @@ def make_batch_invariant(model: torch.nn.Module) -> InvarianceReport:
     kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     param = next(model.parameters())
     check_attention(cfg.num_attention_heads, kv_heads, head_dim,
-                    model.get_input_embeddings().weight.dtype, param.device, report)
+                    model.get_input_embeddings().weight.dtype, param.device, report, attention)
     report.seconds = time.perf_counter() - t0
     if not report.invariant:
         log.warning("the target's forward is not batch-invariant on this machine: %s; greedy "

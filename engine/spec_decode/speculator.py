@@ -213,8 +213,11 @@ class Speculator(NoSpeculation):
 
 def build_speculator(config: EngineConfig, target: ModelRunner, block_manager: BlockManager,
                      draft_model: torch.nn.Module | None, tokenizer_size: int | None,
-                     max_model_len: int) -> NoSpeculation:
-    """The speculation the config asks for (calibrated when adaptive), or `NoSpeculation`."""
+                     max_model_len: int,
+                     prepare_runner: Callable[[ModelRunner], None] | None = None
+                     ) -> NoSpeculation:
+    """The speculation the config asks for (calibrated when adaptive), or `NoSpeculation`.
+    `prepare_runner` is applied to the draft model's runner before calibration."""
     speculative = config.speculative
     if not speculative.enabled:
         return NoSpeculation()
@@ -227,7 +230,11 @@ def build_speculator(config: EngineConfig, target: ModelRunner, block_manager: B
             block_manager=block_manager, target_vocab_size=target.shape.vocab_size,
             tokenizer_size=tokenizer_size, seed=config.seed,
             cpu_matmul_autotune=config.cpu_matmul_autotune,
-            stop_confidence=speculative.draft_stop_confidence)
+            stop_confidence=speculative.draft_stop_confidence,
+            attention_backend=config.attention_backend,
+            coupled=speculative.verification == "coupled")
+        if prepare_runner is not None:
+            prepare_runner(proposer.runner)
     suffix = None
     if speculative.method in ("suffix", "hybrid"):
         suffix = SuffixCache(max_tokens=speculative.suffix_cache_tokens,

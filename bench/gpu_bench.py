@@ -1,0 +1,319 @@
+"""GPU benchmark (part of `make gpu-check`): our engine against transformers, the bandwidth
+roofline, and speculation against its ideal, on random-init models with real shapes.
+
+No weights travel to the GPU machine: the models are random-init with the configurations of
+Qwen2.5-Coder-1.5B (target), Qwen2.5-Coder-0.5B (draft) and a Qwen2.5-7B-shaped target
+(bench/model_shapes/), bf16. Random weights cost what trained ones cost per token; only
+acceptance needs care, so speculation runs with draft = a copy of the target's own weights
+(greedy acceptance 1: the verification machinery against its ideal) and with an unrelated
+random draft (acceptance ~0: adaptive k must fall back to plain decoding).
+
+Cases, prompt 512 random tokens, 256 new tokens, greedy, ignore_eos:
+- ours, plain decode tokens/s at batch 1, 8, 32, 128 (decode only: timed after every sequence
+  has its first token), and end to end (prompt included) at 32;
+- transformers `generate` with a static cache and `torch.compile(mode="reduce-overhead")`
+  (the gpt-fast recipe), batch 1, decode tokens/s (256 new tokens minus 1 new token);
+- transformers continuous batching (`generate_batch`, paged attention), batch 32, end to end;
+- the roofline: (weight bytes + KV bytes read per step) over the measured device copy
+  bandwidth, per batch size;
+- speculation at batch 1: the target's own weights as draft with k = 4 fixed, against the
+  ideal its measured forward costs allow ((k + 1) tokens per target pass of k + 1 tokens plus
+  k draft forwards of one); an unrelated random draft with adaptive k, against plain.
+
+    python bench/gpu_bench.py [--out bench/results/gpu/gpu_bench.md] [--smoke]
+
+--smoke runs every case on tiny shapes (CPU allowed, torch.compile skipped): a check that the
+script works, not a measurement. Prints a table and a RESULT line; writes --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from results_file import write_results  # noqa: E402
+
+from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from engine.config import SpeculativeConfig  # noqa: E402
+from engine.model_runner import RunItem  # noqa: E402
+
+SMOKE_SHAPE = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+               "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512}
+
+
+class Clock:
+    """Wall seconds with the device synchronized at both ends."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def __call__(self) -> float:
+        self.sync()
+        return time.perf_counter()
+
+
+def build(shape: str, device: torch.device, seed: int, smoke: bool) -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = json.loads((ROOT / "bench/model_shapes" / f"{shape}.json").read_text())
+    if smoke:
+        cfg.update(SMOKE_SHAPE)
+    config = AutoConfig.for_model(**cfg)
+    config.eos_token_id = None  # random weights: never stop early
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    return model.eval()
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+def kv_bytes_per_token(model: torch.nn.Module) -> int:
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * 2
+
+
+def copy_bandwidth(device: torch.device, clock: Clock, mib: int) -> float:
+    """Bytes per second of a device-to-device copy (read + write counted)."""
+    x = torch.empty(mib << 20, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    y.copy_(x)
+    best = float("inf")
+    for _ in range(5):
+        t0 = clock()
+        for _ in range(5):
+            y.copy_(x)
+        best = min(best, (clock() - t0) / 5)
+    return 2 * x.numel() / best
+
+
+def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(10, vocab - 10, (n, length), generator=g).tolist()
+
+
+def engine_for(model, args, spec: SpeculativeConfig | None = None, draft=None) -> LLMEngine:
+    return LLMEngine(EngineConfig(max_num_seqs=128, max_num_batched_tokens=8192,
+                                  kv_cache_memory_gb=args.kv_gb, enable_prefix_caching=False,
+                                  speculative=spec or SpeculativeConfig()),
+                     model=model, draft_model=draft)
+
+
+def ours(engine: LLMEngine, batch: int, args, clock: Clock, seed: int) -> dict:
+    """Decode tokens/s (after every sequence's first token) and end-to-end tokens/s."""
+    params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
+    vocab = engine.vocab_size
+    t_start = clock()
+    for p in prompts(batch, args.prompt_len, vocab, seed):
+        engine.add_request(p, params)
+    started, generated, before = set(), 0, 0
+    while len(started) < batch:
+        for out in engine.step():
+            started.add(out.request_id)
+            generated += len(out.new_token_ids)
+    before, t0 = generated, clock()
+    while engine.has_unfinished():
+        generated += sum(len(o.new_token_ids) for o in engine.step())
+    t1 = clock()
+    return {"decode_tok_s": (generated - before) / (t1 - t0),
+            "e2e_tok_s": generated / (t1 - t_start)}
+
+
+def hf_static_compiled(model, args, clock: Clock) -> tuple[float, str]:
+    """transformers generate, static cache (+ torch.compile on CUDA), batch 1: decode tok/s."""
+    model.generation_config.cache_implementation = "static"
+    model.generation_config.pad_token_id = 0
+    note = "static cache"
+    if not args.smoke:
+        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+        note += " + torch.compile(reduce-overhead)"
+    ids = torch.tensor(prompts(1, args.prompt_len, model.config.vocab_size, 7),
+                       device=model.device)
+
+    def gen(n: int) -> float:
+        t0 = clock()
+        model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        return clock() - t0
+
+    for _ in range(2):  # compile and warm up both lengths
+        gen(args.new_tokens)
+        gen(1)
+    full, one = gen(args.new_tokens), gen(1)
+    return (args.new_tokens - 1) / max(full - one, 1e-9), note
+
+
+def hf_continuous_batching(model, args, clock: Clock, batch: int) -> tuple[float | None, str]:
+    """transformers generate_batch (paged attention), end-to-end tokens/s."""
+    from transformers import GenerationConfig
+
+    inputs = prompts(batch, args.prompt_len, model.config.vocab_size, 11)
+    cfg = GenerationConfig(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+                           do_sample=False, eos_token_id=None, pad_token_id=0)
+    errors = []
+    for attn in ("sdpa_paged", "paged|sdpa", "paged_attention"):
+        try:
+            model.set_attn_implementation(attn)
+            model.generate_batch(inputs=inputs[:2], generation_config=cfg, progress_bar=False)
+            t0 = clock()
+            out = model.generate_batch(inputs=inputs, generation_config=cfg,
+                                       progress_bar=False)
+            seconds = clock() - t0
+            tokens = sum(len(r.generated_tokens) for r in out.values())
+            return tokens / seconds, f"generate_batch, attn {attn}"
+        except Exception as exc:  # noqa: BLE001 - an API that moved: try the next name
+            errors.append(f"{attn}: {type(exc).__name__}: {str(exc)[:120]}")
+    return None, "generate_batch failed: " + "; ".join(errors)
+
+
+def forward_seconds(runner, ctx: int, tokens: int, clock: Clock, reps: int = 10) -> float:
+    """One forward of `tokens` new tokens after `ctx` cached ones, with its greedy pick (on
+    free blocks: the engine is idle)."""
+    table = list(range(-(-(ctx + tokens) // runner.block_size)))
+    item = RunItem([5] * tokens, ctx, table, tokens)
+    runner.execute([item])
+    t0 = clock()
+    for _ in range(reps):
+        runner.execute([item]).logits.argmax(-1).tolist()
+    return (clock() - t0) / reps
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=str(ROOT / "bench/results/gpu/gpu_bench.md"))
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--k", type=int, default=4)
+    args = parser.parse_args()
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    clock = Clock(device)
+    args.prompt_len, args.new_tokens = (32, 16) if args.smoke else (512, 256)
+    args.kv_gb = 0.25 if args.smoke else 16.0
+    batches = (1, 4) if args.smoke else (1, 8, 32, 128)
+    cb_batch = 4 if args.smoke else 32
+    bw = copy_bandwidth(device, clock, 16 if args.smoke else 1024)
+    rows, result = [], {}
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"device {name}, torch {torch.__version__}, copy bandwidth {bw / 1e9:.0f} GB/s",
+          flush=True)
+
+    for shape in ("qwen2.5-coder-1.5b", "qwen2.5-7b"):
+        model = build(shape, device, 0, args.smoke)
+        wbytes, kvb = weight_bytes(model), kv_bytes_per_token(model)
+        engine = engine_for(model, args)
+        backend = engine.runner.attention_backend
+        for b in batches:
+            r = ours(engine, b, args, clock, seed=b)
+            ctx = args.prompt_len + args.new_tokens / 2
+            roof = b / ((wbytes + b * ctx * kvb) / bw)
+            rows.append((shape, f"ours, eager, {backend} attention", b, r["decode_tok_s"],
+                         roof, r["e2e_tok_s"]))
+            print(rows[-1], flush=True)
+            if shape == "qwen2.5-coder-1.5b":
+                result[f"ours_b{b}"], result[f"roof_b{b}"] = r["decode_tok_s"], roof
+                result[f"ours_e2e_b{b}"] = r["e2e_tok_s"]
+        del engine, model
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    shape = "qwen2.5-coder-1.5b"
+    hf = build(shape, device, 0, args.smoke)
+    tok_s, note = hf_static_compiled(hf, args, clock)
+    rows.append((shape, f"transformers generate, {note}", 1, tok_s, None, None))
+    result["hf_compiled_b1"] = tok_s
+    print(rows[-1], flush=True)
+    del hf
+    gc.collect()
+    hf = build(shape, device, 0, args.smoke)
+    tok_s, note = hf_continuous_batching(hf, args, clock, cb_batch)
+    rows.append((shape, f"transformers {note}", cb_batch, None, None, tok_s))
+    result["hf_cb"] = tok_s
+    print(rows[-1], flush=True)
+    del hf
+    gc.collect()
+
+    # speculation at batch 1
+    target, same = build(shape, device, 0, args.smoke), build(shape, device, 0, args.smoke)
+    fixed = SpeculativeConfig(method="draft_model", draft_model="in-memory", k_max=args.k,
+                              adaptive=False, calibrate=False)
+    engine = engine_for(target, args, fixed, same)
+    r = ours(engine, 1, args, clock, seed=21)
+    st = engine.speculator.stats
+    ctx = args.prompt_len + args.new_tokens // 2
+    t_verify = forward_seconds(engine.runner, ctx, args.k + 1, clock)
+    t_draft = forward_seconds(engine.speculator.proposer.runner, ctx, 1, clock)
+    ideal = (args.k + 1) / (t_verify + args.k * t_draft)
+    rows.append((shape, (f"ours, draft = its own weights, k = {args.k} (acceptance "
+                         f"{st.acceptance_rate:.3f}; ideal {ideal:.1f} tok/s)"), 1,
+                 r["decode_tok_s"], None, None))
+    result["spec_ideal"] = r["decode_tok_s"] / ideal
+    result["spec_acceptance"] = st.acceptance_rate
+    print(rows[-1], flush=True)
+    del engine, same
+    gc.collect()
+    plain = engine_for(target, args)
+    p = ours(plain, 1, args, clock, seed=21)
+    del plain
+    other = build("qwen2.5-coder-0.5b", device, 1, args.smoke)
+    adaptive = SpeculativeConfig(method="draft_model", draft_model="in-memory", k_max=6,
+                                 adaptive=True)
+    engine = engine_for(target, args, adaptive, other)
+    r = ours(engine, 1, args, clock, seed=21)
+    st = engine.speculator.stats
+    rows.append((shape, (f"ours, unrelated random draft, adaptive (acceptance "
+                         f"{st.acceptance_rate:.3f}, mean k {st.mean_k:.2f})"), 1,
+                 r["decode_tok_s"], None, None))
+    rows.append((shape, "ours, plain (same run as the line above)", 1, p["decode_tok_s"],
+                 None, None))
+    result["spec_off"] = r["decode_tok_s"] / p["decode_tok_s"]
+    print(rows[-2:], flush=True)
+
+    def f(x):
+        return "" if x is None else f"{x:.1f}"
+
+    table = "\n".join(
+        ["| model shape | case | batch | decode tok/s | roofline tok/s | end-to-end tok/s |",
+         "|---|---|---|---|---|---|"]
+        + [f"| {s} | {c} | {b} | {f(d)} | {f(r_)} | {f(e)} |" for s, c, b, d, r_, e in rows])
+    cb = result["hf_cb"]
+    line = (f"RESULT b1_roofline_fraction={result['ours_b1'] / result['roof_b1']:.2f} "
+            f"b1_vs_hf_compiled={result['ours_b1'] / result['hf_compiled_b1']:.2f} "
+            f"b{cb_batch}_vs_hf_cb="
+            f"{'n/a' if cb is None else format(result[f'ours_e2e_b{cb_batch}'] / cb, '.2f')} "
+            f"spec_ideal_fraction={result['spec_ideal']:.2f} "
+            f"spec_off_ratio={result['spec_off']:.2f}")
+    print(table)
+    print(line)
+    details = [f"device: {name}, copy bandwidth {bw / 1e9:.0f} GB/s",
+               f"prompt {args.prompt_len} random tokens, {args.new_tokens} new tokens, greedy, "
+               f"bf16, random-init weights with the shapes of bench/model_shapes/"
+               + (" (SMOKE: tiny shapes, not a measurement)" if args.smoke else "")]
+    if not args.smoke or args.out != parser.get_default("out"):
+        write_results(args.out, "GPU: our engine vs transformers, roofline, speculation",
+                      torch.get_num_threads(), details, table, line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,163 @@
+"""Padded static-buffer steps and, on CUDA, CUDA graphs for them.
+
+A step whose sequences all have 1..`tokens_per_seq` new tokens (plain decode, verification of
+1 + k drafts, a draft model's single-token steps, short catch-ups) runs in a bucket of
+S sequences x Q tokens: S the smallest configured batch size >= the step's sequences, Q the
+most new tokens of any of them. Every sequence gets exactly Q rows (its tokens, then padding);
+missing sequences are padding. All inputs live in static tensors: token ids, positions, slot
+mapping, and the Triton attention metadata (row starts, new tokens, context lengths, block
+tables of a fixed width). Padding rows write their K/V to a scratch block no sequence owns and
+have no queries the kernel stores; their logits are computed and dropped.
+
+On CUDA each bucket is captured once as a CUDA graph (after a warm-up run) and replayed: one
+launch for the whole forward instead of hundreds. The same code runs without capture on any
+device (`cuda_graphs: static`), which is how the CPU tests cover everything but the capture
+and the replay. Longer steps (prompt chunks) run eagerly.
+
+Exactness: a row's bits do not depend on the bucket (the linears follow the batch-invariance
+rule over the bucket's rows, and the Triton kernel is invariant by construction), so greedy
+output is the same with graphs, without them and eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+log = logging.getLogger("specserve.engine")
+
+
+@dataclass
+class Bucket:
+    seqs: int  # S
+    tokens: int  # Q per sequence
+    input_ids: torch.Tensor  # [1, S*Q]
+    positions: torch.Tensor  # [1, S*Q]
+    keep: torch.Tensor  # [S*Q] rows whose logits are computed (all)
+    meta: object  # TritonMetadata over static tensors
+    logits: torch.Tensor | None = None  # the forward's output ([1, S*Q, V]), static once captured
+    graph: object | None = None  # torch.cuda.CUDAGraph
+
+
+class StaticSteps:
+    """The buckets of one model runner (see the module docstring)."""
+
+    def __init__(self, runner, batch_sizes: tuple[int, ...], tokens_per_seq: int,
+                 max_blocks_per_seq: int, capture: bool) -> None:
+        from engine.attention.triton_backend import TritonBackend, TritonMetadata
+
+        if not isinstance(runner.kv.backend, TritonBackend):
+            raise ValueError("static steps (cuda_graphs) need attention_backend triton")
+        self.runner = runner
+        self.batch_sizes = tuple(sorted(batch_sizes))
+        self.tokens_per_seq = tokens_per_seq
+        self.width = max_blocks_per_seq
+        self.capture = capture
+        self.scratch_slot = runner.kv.scratch_block * runner.block_size
+        self._buckets: dict[tuple[int, int], Bucket] = {}
+        self._meta_cls = TritonMetadata
+        self.pool = None  # the graphs' shared memory pool
+        self.num_replays = 0
+        self.num_static = 0
+
+    @property
+    def max_seqs(self) -> int:
+        return self.batch_sizes[-1]
+
+    def fits(self, items) -> bool:
+        return (0 < len(items) <= self.max_seqs
+                and all(0 < len(it.token_ids) <= self.tokens_per_seq for it in items)
+                and all(-(-(it.start + len(it.token_ids)) // self.runner.block_size)
+                        <= self.width for it in items))
+
+    def _bucket(self, seqs: int, tokens: int) -> Bucket:
+        size = next(b for b in self.batch_sizes if b >= seqs)
+        key = (size, tokens)
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            bucket = self._buckets[key] = self._new_bucket(size, tokens)
+            if self.capture:
+                self._capture(bucket)
+        return bucket
+
+    def _new_bucket(self, seqs: int, tokens: int) -> Bucket:
+        dev, rows = self.runner.device, seqs * tokens
+        meta = self._meta_cls(
+            slot_mapping=torch.full((rows,), self.scratch_slot, dtype=torch.long, device=dev),
+            q_start=torch.arange(0, rows, tokens, dtype=torch.int32, device=dev),
+            q_len=torch.zeros(seqs, dtype=torch.int32, device=dev),
+            ctx_len=torch.zeros(seqs, dtype=torch.int32, device=dev),
+            block_tables=torch.zeros(seqs, self.width, dtype=torch.int32, device=dev),
+            max_q_len=tokens, block_size=self.runner.block_size)
+        return Bucket(seqs, tokens, torch.zeros(1, rows, dtype=torch.long, device=dev),
+                      torch.zeros(1, rows, dtype=torch.long, device=dev),
+                      torch.arange(rows, dtype=torch.long, device=dev), meta)
+
+    def _forward(self, b: Bucket) -> torch.Tensor:
+        return self.runner.forward(b.input_ids, b.positions, b.keep, b.meta)
+
+    def _capture(self, b: Bucket) -> None:
+        """Warm up on a side stream, then capture; a bucket that cannot be captured keeps
+        running its static buffers without a graph (logged once)."""
+        try:
+            stream = torch.cuda.Stream(self.runner.device)
+            stream.wait_stream(torch.cuda.current_stream(self.runner.device))
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self._forward(b)
+            torch.cuda.current_stream(self.runner.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                b.logits = self._forward(b)
+            self.pool = graph.pool()
+            b.graph = graph
+        except Exception as exc:  # noqa: BLE001 - run uncaptured rather than fail the step
+            log.warning("CUDA graph capture failed for %d x %d tokens (%s: %s); that bucket "
+                        "runs without a graph", b.seqs, b.tokens, type(exc).__name__, exc)
+            b.graph, b.logits = None, None
+
+    def warm_up(self) -> None:
+        """Create (and capture) every bucket now, so no live step pays for a capture."""
+        for size in self.batch_sizes:
+            for tokens in range(1, self.tokens_per_seq + 1):
+                self._bucket(size, tokens)
+
+    def execute(self, items) -> tuple[torch.Tensor, list[int]]:
+        """Run `items` in their bucket; returns (logits [rows wanted, V], row offsets)."""
+        q = max(len(it.token_ids) for it in items)
+        b = self._bucket(len(items), q)
+        bs, rows = self.runner.block_size, b.seqs * b.tokens
+        ids = np.zeros(rows, dtype=np.int64)
+        pos = np.zeros(rows, dtype=np.int64)
+        slots = np.full(rows, self.scratch_slot, dtype=np.int64)
+        q_len = np.zeros(b.seqs, dtype=np.int32)
+        ctx = np.zeros(b.seqs, dtype=np.int32)
+        tables = np.zeros((b.seqs, self.width), dtype=np.int32)
+        wanted, offsets = [], [0]
+        for i, it in enumerate(items):
+            n, lo = len(it.token_ids), i * b.tokens
+            p = np.arange(it.start, it.start + n)
+            table = np.asarray(it.block_table[:-(-(it.start + n) // bs)], dtype=np.int64)
+            ids[lo:lo + n] = it.token_ids
+            pos[lo:lo + n] = p
+            slots[lo:lo + n] = table[p // bs] * bs + p % bs
+            q_len[i], ctx[i] = n, it.start + n
+            tables[i, :len(table)] = table
+            wanted += range(lo + n - it.num_rows, lo + n)
+            offsets.append(offsets[-1] + it.num_rows)
+        m = b.meta
+        for dst, src in ((b.input_ids[0], ids), (b.positions[0], pos), (m.slot_mapping, slots),
+                         (m.q_len, q_len), (m.ctx_len, ctx), (m.block_tables, tables)):
+            dst.copy_(torch.from_numpy(src), non_blocking=False)
+        if b.graph is not None:
+            b.graph.replay()
+            logits = b.logits
+            self.num_replays += 1
+        else:
+            logits = self._forward(b)
+        self.num_static += 1
+        index = torch.tensor(wanted, dtype=torch.long, device=self.runner.device)
+        return logits[0, index].float(), offsets

@@ -1,0 +1,45 @@
+"""The engine on CUDA (run by `make gpu-check`; skipped without a GPU): bf16 greedy output with
+speculation equals plain, alone and batched, on the Triton attention backend, with no leak."""
+
+import pytest
+import torch
+from conftest import build_tiny_model, random_prompts
+from test_spec_decode import staggered
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.config import SpeculativeConfig
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+def engine(target, method="none", draft=None, **kw):
+    spec = SpeculativeConfig(method=method, draft_model="in-memory" if draft else None,
+                             k_max=4, adaptive=True)
+    return LLMEngine(EngineConfig(num_blocks=512, max_num_seqs=16, speculative=spec, **kw),
+                     model=target, draft_model=draft)
+
+
+def fresh(seed=0):
+    return build_tiny_model("qwen2", seed=seed, dtype=torch.bfloat16, num_layers=3).cuda()
+
+
+def test_auto_picks_the_triton_backend_on_cuda():
+    eng = engine(fresh())
+    assert eng.runner.attention_backend == "triton"
+    assert eng.runner.invariance is not None and eng.runner.invariance.invariant, \
+        eng.runner.invariance.problems
+
+
+@pytest.mark.parametrize("method", ["draft_model", "ngram", "suffix", "hybrid"])
+def test_bf16_greedy_with_speculation_equals_plain_alone_and_batched(method):
+    prompts = random_prompts([5, 40, 17, 90, 3, 64, 28, 11], seed=3)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain_eng = engine(fresh())
+    plain = [plain_eng.generate([p], params)[0].output_token_ids for p in prompts]
+    draft = fresh(seed=1) if method in ("draft_model", "hybrid") else None
+    eng = engine(fresh(), method, draft)
+    assert [o.output_token_ids for o in staggered(eng, prompts, [params] * len(prompts))] \
+        == plain
+    assert [eng.generate([p], params)[0].output_token_ids for p in prompts] == plain
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks

@@ -1,0 +1,154 @@
+"""The Triton paged-attention kernel against PyTorch SDPA, its batch invariance, and an engine
+running on it. On a machine without CUDA the kernel runs in Triton's interpreter (conftest sets
+TRITON_INTERPRET=1), the same code a GPU compiles."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import build_tiny_model, clone_model, random_prompts
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.attention.paged import SDPABackend, SeqSpan
+from engine.attention.triton_backend import TritonBackend, available
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not available(), reason="triton is not installed")]
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def attention(backend, q, k_cache, v_cache, spans, block_size):
+    """Run one layer's attention for `spans` ((first position, new tokens, block table) per
+    sequence); q holds every new token's query, in order."""
+    seq_spans, slots, start = [], [], 0
+    for first, q_len, table in spans:
+        seq_spans.append(SeqSpan(start, q_len, first + q_len, table))
+        slots += [table[p // block_size] * block_size + p % block_size
+                  for p in range(first, first + q_len)]
+        start += q_len
+    meta = backend.build_metadata(seq_spans, slots, block_size, DEVICE)
+    idx = torch.tensor(slots, device=DEVICE)
+    query = q.transpose(0, 1)[None]  # [1, heads, T, D]
+    return backend.forward(query, k_cache[idx].transpose(0, 1)[None],
+                           v_cache[idx].transpose(0, 1)[None], k_cache, v_cache, meta,
+                           q.shape[-1] ** -0.5)[0]
+
+
+def shuffled_tables(num_seqs, blocks_each, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randperm(num_seqs * blocks_each, generator=g).tolist()
+    return [ids[i * blocks_each:(i + 1) * blocks_each] for i in range(num_seqs)]
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2),
+                                        (torch.float16, 4e-3)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size",
+                         [(4, 2, 64, 16), (4, 1, 128, 32), (2, 2, 64, 16), (6, 2, 128, 64)])
+def test_kernel_matches_sdpa_on_a_ragged_batch(dtype, atol, heads, kv_heads, head_dim,
+                                               block_size):
+    g = torch.Generator().manual_seed(1)
+    # (first position, new tokens): decodes, a verification of 1 + 4, a prompt chunk with a
+    # past, a whole prompt, a long decode
+    shape = [(37, 1), (20, 5), (16, 40), (0, 23), (90, 1), (3, 1)]
+    max_ctx = max(f + n for f, n in shape)
+    blocks_each = -(-max_ctx // block_size)
+    tables = shuffled_tables(len(shape), blocks_each)
+    spans = [(f, n, t) for (f, n), t in zip(shape, tables)]
+    num_slots = len(shape) * blocks_each * block_size
+    k_cache = torch.randn(num_slots, kv_heads, head_dim, generator=g).to(dtype).to(DEVICE)
+    v_cache = torch.randn(num_slots, kv_heads, head_dim, generator=g).to(dtype).to(DEVICE)
+    q = torch.randn(sum(n for _, n in shape), heads, head_dim, generator=g).to(dtype).to(DEVICE)
+    got = attention(TritonBackend(), q, k_cache, v_cache, spans, block_size)
+    want = attention(SDPABackend(), q, k_cache, v_cache, spans, block_size)
+    torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=0)
+
+
+def test_kernel_rows_do_not_depend_on_the_batch():
+    """Every token's output has the same bits computed in a whole prompt, as decodes, inside
+    verifications, in prompt chunks with a past, and beside other sequences."""
+    g = torch.Generator().manual_seed(2)
+    n, block_size, heads, kv_heads, d = 90, 16, 4, 2, 64
+    table = shuffled_tables(1, -(-n // block_size))[0]
+    for dtype in (torch.bfloat16, torch.float32):
+        k_cache = torch.randn(len(table) * block_size, kv_heads, d, generator=g).to(dtype)
+        v_cache = torch.randn(len(table) * block_size, kv_heads, d, generator=g).to(dtype)
+        q = torch.randn(n, heads, d, generator=g).to(dtype)
+        backend = TritonBackend()
+
+        def run(layout, backend=backend, q=q, k_cache=k_cache, v_cache=v_cache):
+            positions = [p for first, q_len in layout for p in range(first, first + q_len)]
+            out = attention(backend, q[positions].to(DEVICE), k_cache.to(DEVICE),
+                            v_cache.to(DEVICE), [(f, m, table) for f, m in layout], block_size)
+            return positions, out
+
+        _, whole = run([(0, n)])
+        for layout in ([(p, 1) for p in range(5, n, 7)],
+                       [(p, 5) for p in range(2, n - 5, 11)],
+                       [(0, 17), (17, 40), (57, 33)],
+                       [(n - 20, 20), (4, 1), (30, 3), (61, 9)]):
+            positions, out = run(layout)
+            assert torch.equal(out, whole[positions]), (dtype, layout)
+
+
+def test_engine_on_the_triton_backend_matches_sdpa_and_speculates_exactly():
+    target = build_tiny_model("qwen2")
+    prompts = random_prompts([3, 20, 9, 33], seed=4)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    def engine(backend, method="none"):
+        from engine.config import SpeculativeConfig
+
+        spec = SpeculativeConfig(method=method, k_max=3, adaptive=False, calibrate=False)
+        return LLMEngine(EngineConfig(num_blocks=64, attention_backend=backend,
+                                      batch_invariant=False, speculative=spec),
+                         model=clone_model(target).to(DEVICE))
+
+    sdpa = [o.output_token_ids for o in engine("sdpa").generate(prompts, params)]
+    eng = engine("triton")
+    assert type(eng.runner.kv.backend).__name__ == "TritonBackend"
+    assert [o.output_token_ids for o in eng.generate(prompts, params)] == sdpa
+    spec = engine("triton", "ngram")
+    assert [o.output_token_ids for o in spec.generate(prompts, params)] == sdpa
+    assert spec.block_manager.num_free_blocks == spec.block_manager.num_blocks
+
+
+def test_unknown_attention_backend_is_a_config_error():
+    with pytest.raises(ValueError, match="attention_backend"):
+        EngineConfig(attention_backend="flash")
+
+
+@pytest.mark.parametrize("method", ["none", "draft_model", "suffix"])
+def test_static_padded_steps_give_the_eager_engine_s_tokens(method):
+    """cuda_graphs: static runs decode and verification steps in padded static buckets (the
+    CUDA-graph path without the capture); greedy output equals the eager SDPA engine's."""
+    from engine.config import SpeculativeConfig
+
+    target = build_tiny_model("qwen2")
+    draft = build_tiny_model("qwen2", seed=1) if method == "draft_model" else None
+    prompts = random_prompts([3, 20, 9, 33, 14], seed=5)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+    def engine(backend, graphs, method="none", draft=None):
+        spec = SpeculativeConfig(method=method, k_max=3, adaptive=False, calibrate=False,
+                                 draft_model="in-memory" if draft is not None else None)
+        return LLMEngine(EngineConfig(num_blocks=64, attention_backend=backend,
+                                      cuda_graphs=graphs, cuda_graph_batch_sizes=[1, 2, 4, 8],
+                                      batch_invariant=False, speculative=spec),
+                         model=clone_model(target),
+                         draft_model=clone_model(draft) if draft is not None else None)
+
+    want = [o.output_token_ids for o in engine("sdpa", "off").generate(prompts, params)]
+    eng = engine("triton", "static", method, draft)
+    got = eng.generate(prompts + prompts[:2], params)
+    assert [o.output_token_ids for o in got] == want + want[:2]
+    assert eng.runner.static.num_static > 0 and eng.runner.static.num_replays == 0
+    if draft is not None:
+        assert eng.speculator.proposer.runner.static.num_static > 0
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+
+
+def test_static_steps_need_the_triton_backend():
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        LLMEngine(EngineConfig(num_blocks=16, attention_backend="sdpa", cuda_graphs="static"),
+                  model=build_tiny_model("qwen2"))
