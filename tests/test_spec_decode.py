@@ -368,3 +368,24 @@ def test_padding_only_vocabulary_difference_is_allowed(tiny_tokenizer):
                                          SamplingParams(temperature=0, max_tokens=8,
                                                         ignore_eos=True))
     assert outs[0].output_token_ids == plain[0].output_token_ids
+
+
+def test_realized_rates_turn_speculation_off_where_it_measured_slower():
+    from engine.spec_decode.adaptive import RealizedRates
+
+    r = RealizedRates(explore_every=4, refresh_every=8)
+    # no evidence yet: speculate, with a plain step now and then to measure plain
+    asked = [r.speculate(8) for _ in range(16)]
+    assert asked.count(False) == 2 and asked[7] is False
+    for _ in range(5):
+        r.record(8, True, 16, 1.0)  # 16 tokens/s speculating
+        r.record(8, False, 20, 1.0)  # 20 tokens/s plain
+        r.record(1, True, 3, 1.0)  # one sequence: speculation wins
+        r.record(1, False, 1, 1.0)
+    eight = [r.speculate(9) for _ in range(8)]  # 9 sequences: the same class as 8
+    assert eight.count(True) == 2  # only the exploration steps
+    one = [r.speculate(1) for _ in range(8)]
+    assert one.count(True) == 7  # one plain step to keep the plain rate current
+    for _ in range(40):  # speculation got faster: it comes back
+        r.record(8, True, 30, 1.0)
+    assert [r.speculate(8) for _ in range(8)].count(True) == 7

@@ -110,6 +110,42 @@ class AcceptanceStats:
 
 
 @dataclass
+class RealizedRates:
+    """Tokens per second that decode steps actually reached, per batch-size class (n's bit
+    length: 1, 2-3, 4-7, 8-15, ...), with and without speculation: the check on the cost model.
+
+    The plans are predictions from cost tables kept by token count; at larger batches the
+    packaged pair realized up to 15% less than predicted (per-row sampling and verification work
+    the tables see only on average), so speculation could run slower than plain decoding. Once a
+    class has both rates and speculation's is the lower, its steps run plain, with one
+    speculative step every `explore_every` to notice when that changes; while speculation wins,
+    one step in `refresh_every` runs plain to keep the plain rate current.
+    """
+
+    alpha: float = 0.1
+    explore_every: int = 16
+    refresh_every: int = 32
+    rates: dict[tuple[int, bool], float] = field(default_factory=dict)
+    _asked: dict[int, int] = field(default_factory=dict)
+
+    def record(self, seqs: int, speculative: bool, tokens: int, seconds: float) -> None:
+        if seconds <= 0.0 or tokens <= 0:
+            return
+        key, rate = (seqs.bit_length(), speculative), tokens / seconds
+        old = self.rates.get(key)
+        self.rates[key] = rate if old is None else old + self.alpha * (rate - old)
+
+    def speculate(self, seqs: int) -> bool:
+        """Whether a step of `seqs` sequences that the plan would speculate should."""
+        c = seqs.bit_length()
+        asked = self._asked[c] = self._asked.get(c, 0) + 1
+        spec, plain = self.rates.get((c, True)), self.rates.get((c, False))
+        if spec is not None and plain is not None and spec < plain:
+            return asked % self.explore_every == 0
+        return asked % self.refresh_every != 0
+
+
+@dataclass
 class KController:
     k_max: int
     adaptive: bool = True

@@ -19,7 +19,7 @@ from engine.config import EngineConfig, SpeculativeConfig
 from engine.model_runner import ModelRunner
 from engine.sample.sampler import RowSpec
 from engine.sequence import Sequence
-from engine.spec_decode.adaptive import AcceptanceStats, KController
+from engine.spec_decode.adaptive import AcceptanceStats, KController, RealizedRates
 from engine.spec_decode.calibration import calibrate
 from engine.spec_decode.draft_model import DraftModelProposer
 from engine.spec_decode.ngram import NgramProposer
@@ -71,6 +71,8 @@ class Speculator(NoSpeculation):
         self._acceptance: dict[str, float] = {}  # request id -> estimate its drafts were chosen on
         # request id -> (method, match length of a suffix proposal) of its pending drafts
         self._method: dict[str, tuple[str, int]] = {}
+        self.realized = RealizedRates()
+        self._propose_seconds = 0.0  # the last propose call (paid by the step that verifies)
 
     def drop(self, seqs: list[Sequence], finished: bool) -> None:
         """Forget the drafts of sequences that left the running set (and all of their state
@@ -93,6 +95,13 @@ class Speculator(NoSpeculation):
 
         num_joining: waiting requests that will be admitted soon (they decode in this batch too).
         """
+        started = time.perf_counter()
+        try:
+            self._propose(running, num_joining, row_spec)
+        finally:
+            self._propose_seconds = time.perf_counter() - started
+
+    def _propose(self, running: list[Sequence], num_joining: int, row_spec: RowSpecFn) -> None:
         if self.suffix is not None:
             self.suffix.maintain()  # a bounded share of evicted texts' index cleanup
         candidates = [s for s in running if s.params.speculative
@@ -160,6 +169,9 @@ class Speculator(NoSpeculation):
             ks, kf = ctl.choose_hybrid(alphas, [d.confidence for d in free], other_tokens,
                                        backlog, [r + 1 for r in rooms], pending, len(others),
                                        draft=self.proposer is not None)
+        if (any(ks) or any(kf)) and self.config.adaptive \
+                and not self.realized.speculate(len(running)):
+            ks, kf = [0] * len(ks), [0] * len(kf)  # measured: plain steps are faster here
         if not any(ks):  # a step without drafts: old evidence must not keep k at 0 for good
             ctl.decay_evidence()
         ks = [min(k, room) for k, room in zip(ks, rooms)]
@@ -186,11 +198,20 @@ class Speculator(NoSpeculation):
         """One target pass (its cost includes verifying its drafts) and, per sequence,
         (seq, drafts verified, drafts accepted)."""
         self.controller.target_cost.record(target_tokens, target_seqs, seconds)
+        verified = list(verified)
+        drafted = emitted = 0
         for seq, num_drafted, num_accepted in verified:
+            drafted += num_drafted
+            emitted += num_accepted + 1
             if num_drafted:
                 self._record(seq, num_drafted, num_accepted)
             else:
                 self._method.pop(seq.request_id, None)
+        if len(verified) == target_seqs and target_tokens == target_seqs + drafted:
+            # a pure decode step: what it realized, drafting included
+            self.realized.record(target_seqs, drafted > 0, emitted,
+                                 seconds + self._propose_seconds)
+        self._propose_seconds = 0.0
 
     def _record(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
         method, match_length = self._method.pop(seq.request_id, (self.method, 0))
