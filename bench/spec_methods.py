@@ -103,6 +103,9 @@ def main() -> int:
     parser.add_argument("--c1-prompts", type=int, default=4,
                         help="prompts per workload at concurrency 1")
     parser.add_argument("--quick", action="store_true", help="2 prompts, 24 tokens: a smoke run")
+    parser.add_argument("--cases", default=None,
+                        help="only these workload:concurrency pairs, e.g. chat:8,chat_t0.7:8 "
+                             "(no RESULT line)")
     parser.add_argument("--out", default=str(ROOT / "bench/results/spec_methods.md"))
     args = parser.parse_args()
     if args.threads:
@@ -121,7 +124,7 @@ def main() -> int:
     sampled = [SamplingParams(temperature=0.7, seed=100 + i, max_tokens=max_tokens,
                               ignore_eos=True) for i in range(n)]
     workloads = {  # name -> (rounds, params, concurrencies)
-        "chat": ([chat], greedy, (1, 8)),
+        "chat": ([chat], greedy, (1, 8, 16)),
         "code_edit": ([edit], greedy_edit, (1, 8)),
         "repeated": ([chat, chat, chat], greedy, (1, 8)),
         "chat_t0.7": ([chat], sampled, (1, 8)),
@@ -129,45 +132,59 @@ def main() -> int:
     rates: dict[tuple[str, str, int], float] = {}
     rows, plain_out, identical = [], {}, {}
     c1 = 2 if args.quick else args.c1_prompts
-    for method in METHODS:
-        engine = make_engine(method, target, draft, tok, args.k_max)
-        for name, (rounds, params, concs) in workloads.items():
-            if name == "chat" and method in ("plain", "hybrid"):
-                concs = (1, 8, 16)
-            for c in concs:
-                if c == 16:  # the 8 prompts twice, all at once
-                    rounds_c, params_c = [rounds[0] * 2], params
-                elif c == 1:
-                    rounds_c = [r[:c1] for r in rounds]
-                    params_c = params[:c1] if isinstance(params, list) else params
-                else:
-                    rounds_c, params_c = rounds, params
-                forget_history(engine)
-                st = engine.speculator.stats
-                before = {m: list(v) for m, v in (st.by_method.items() if st else [])}
-                outs, tokens, seconds = run(engine, rounds_c, params_c, min(c, n * 2))
+    engines = {m: make_engine(m, target, draft, tok, args.k_max) for m in METHODS}
+
+    def measure(method, name, c, rounds_c, params_c):
+        engine = engines[method]
+        forget_history(engine)
+        st = engine.speculator.stats
+        before = {m: list(v) for m, v in (st.by_method.items() if st else [])}
+        outs, tokens, seconds = run(engine, rounds_c, params_c, min(c, n * 2))
+        by = {}
+        for m, (_, d, a) in (st.by_method.items() if st else []):
+            b = before.get(m, [0, 0, 0])
+            if d - b[1]:
+                by[m] = (d - b[1], a - b[2])
+        return outs, tokens, seconds, by
+
+    only = None if args.cases is None else {
+        (w, int(c)) for w, c in (case.split(":") for case in args.cases.split(","))}
+    for name, (rounds, params, concs) in workloads.items():
+        for c in (1, 8, 16) if name == "chat" else concs:
+            if only is not None and (name, c) not in only:
+                continue
+            if c == 16:  # the 8 prompts twice, all at once
+                rounds_c, params_c = [rounds[0] * 2], params
+            elif c == 1:
+                rounds_c = [r[:c1] for r in rounds]
+                params_c = params[:c1] if isinstance(params, list) else params
+            else:
+                rounds_c, params_c = rounds, params
+            methods = ("plain", "hybrid") if c == 16 else METHODS
+            # plain runs first and last: its rate is their mean, so a slow drift of this
+            # machine's speed during the case does not favour either side
+            results = {m: measure(m, name, c, rounds_c, params_c) for m in methods}
+            outs2, tokens2, seconds2, _ = measure("plain", name, c, rounds_c, params_c)
+            outs, tokens, seconds, _ = results["plain"]
+            results["plain"] = (outs, tokens + tokens2, seconds + seconds2, {})
+            plain_out[name, c] = outs
+            rates["plain", name, c] = (tokens + tokens2) / (seconds + seconds2)
+            for method in methods:
+                outs, tokens, seconds, by = results[method]
                 rates[method, name, c] = tokens / seconds
-                by = {}
-                if st:
-                    for m, (v, d, a) in st.by_method.items():
-                        b = before.get(m, [0, 0, 0])
-                        if d - b[1]:
-                            by[m] = (d - b[1], a - b[2])
-                if method == "plain":
-                    plain_out[name, c] = outs
                 same = ("" if name == "chat_t0.7" else
                         f"{sum(a == b for a, b in zip(outs, plain_out[name, c]))}/{len(outs)}")
                 if same:
                     identical[method, name, c] = same
                 accept = ", ".join(f"{m} {a}/{d}" for m, (d, a) in sorted(by.items()))
-                suffix = getattr(engine.speculator, "suffix", None)
+                suffix = getattr(engines[method].speculator, "suffix", None)
                 upd = (f"{1e3 * suffix.max_update_seconds:.1f}" if suffix is not None else "")
                 rows.append((method, name, c, tokens, seconds, tokens / seconds,
-                             rates[method, name, c] / rates["plain", name, c], same, accept, upd))
+                             rates[method, name, c] / rates["plain", name, c], same, accept,
+                             upd))
                 print(f"{method:12s} {name:10s} c={c:<3d} {tokens / seconds:6.2f} tok/s  "
                       f"x{rows[-1][6]:.2f}  same={same}  {accept}  max_update_ms={upd}",
                       flush=True)
-        del engine
     header = ("| method | workload | concurrency | tokens | seconds | tokens/s | x plain | "
               "greedy identical to plain | accepted/drafted by method | suffix update max ms |")
     table = "\n".join([header, "|" + "---|" * 10] + [
@@ -175,6 +192,18 @@ def main() -> int:
         for m, w, c, t, s, r, x, same, acc, upd in rows])
     worst = min(rates["hybrid", w, c] / rates["plain", w, c] for (m, w, c) in rates
                 if m == "hybrid")
+    details = [f"target {TARGET} bf16, draft {DRAFT} bf16 with int8 linears, k_max {args.k_max} "
+               f"(draft model), suffix defaults (max 32 drafts), adaptive",
+               f"{n} prompts per workload ({c1} at concurrency 1), {max_tokens} new tokens "
+               f"each ({edit_tokens} for code_edit), ignore_eos"]
+    if only is not None:
+        print(table)
+        print(f"worst hybrid / plain over these cases: {worst:.2f}")
+        if args.out != parser.get_default("out"):
+            write_results(args.out, f"Speculation methods, cases {args.cases}",
+                          torch.get_num_threads(), details, table,
+                          f"worst_hybrid_vs_plain={worst:.2f} (these cases only)")
+        return 0
     result = (f"RESULT code_edit_hybrid={rates['hybrid', 'code_edit', 1] / rates['plain', 'code_edit', 1]:.2f} "
               f"repeated_hybrid={rates['hybrid', 'repeated', 1] / rates['plain', 'repeated', 1]:.2f} "
               f"chat_hybrid_vs_draft={rates['hybrid', 'chat', 1] / rates['draft_model', 'chat', 1]:.2f} "
@@ -182,11 +211,7 @@ def main() -> int:
     print(table)
     print(result)
     not_same = {k: v for k, v in identical.items() if v.split("/")[0] != v.split("/")[1]}
-    details = [f"target {TARGET} bf16, draft {DRAFT} bf16 with int8 linears, k_max {args.k_max} "
-               f"(draft model), suffix defaults (max 32 drafts), adaptive",
-               f"{n} prompts per workload ({c1} at concurrency 1), {max_tokens} new tokens "
-               f"each ({edit_tokens} for code_edit), ignore_eos",
-               f"greedy outputs that differ from plain: {not_same or 'none'}"]
+    details.append(f"greedy outputs that differ from plain: {not_same or 'none'}")
     if not args.quick:
         write_results(args.out, "Speculation methods: plain, draft model, n-gram, suffix, hybrid",
                       torch.get_num_threads(), details, table, result)
