@@ -108,13 +108,13 @@ class Speculator(NoSpeculation):
                       and s.num_computed_tokens == s.num_tokens - 1]
         if not candidates:
             return
+        rooms = [self._room(s) for s in candidates]
         free: list[SuffixDraft] | None = None
         if self.suffix is not None:
-            rooms = [self._room(s) for s in candidates]
             for s in candidates:
                 self.suffix.sync(s)
             free = [self.suffix.propose(s, room) for s, room in zip(candidates, rooms)]
-        ks, kf = self._choose(running, candidates, num_joining, free)
+        ks, kf = self._choose(running, candidates, rooms, num_joining, free)
         for s, k, draft in zip(candidates, kf, free or []):
             if k:
                 self._set_drafts(s, draft.token_ids[:k], None, ("suffix", draft.match_length))
@@ -148,17 +148,16 @@ class Speculator(NoSpeculation):
         _, accepted, rejections = seq.spec_methods.get(self.method, (0, 0, 0))
         return AcceptanceStats(accepted, rejections).estimate(prior)
 
-    def _choose(self, running: list[Sequence], candidates: list[Sequence], num_joining: int,
-                free: list[SuffixDraft] | None) -> tuple[list[int], list[int]]:
-        """(proposer k, suffix k) per candidate, from the controller, cut to the room each
-        sequence has left."""
+    def _choose(self, running: list[Sequence], candidates: list[Sequence], rooms: list[int],
+                num_joining: int, free: list[SuffixDraft] | None) -> tuple[list[int], list[int]]:
+        """(proposer k, suffix k) per candidate, from the controller, cut to `rooms`: the
+        drafts each sequence has room for."""
         ctl = self.controller
         prior = ctl.prior_acceptance
         alphas = [self._alpha(s, prior) for s in candidates]
         others = [s for s in running if s not in candidates]
         other_tokens = sum(min(s.num_uncomputed_tokens, self.budget) for s in others)
         backlog = [s.num_tokens - s.num_draft_computed for s in candidates]
-        rooms = [self._room(s) for s in candidates]
         pending = num_joining + sum(s.params.speculative and s.num_computed_tokens <
                                     s.num_tokens - 1 for s in running)  # decode soon
         if free is None:

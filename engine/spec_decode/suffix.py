@@ -96,6 +96,7 @@ class SuffixCache:
         self._partitions: dict[object, _Partition] = {}
         self._doc_of: dict[str, int] = {}  # request id -> its live document
         self._next_id = 0
+        self._history_tokens = 0  # over all partitions
         self._cleanup: deque[tuple[object, list[int], int]] = deque()  # evicted: (partition
         #                                  key, tokens, doc id), their index entries to remove
         self.update_seconds = 0.0  # time spent indexing, evicting and cleaning up
@@ -105,7 +106,7 @@ class SuffixCache:
     @property
     def num_tokens(self) -> int:
         """Tokens of finished requests held for other requests (the budgeted part)."""
-        return sum(p.history_tokens for p in self._partitions.values())
+        return self._history_tokens
 
     @property
     def num_live(self) -> int:
@@ -164,6 +165,7 @@ class SuffixCache:
         else:
             part.history[doc_id] = len(doc.tokens)
             part.history_tokens += len(doc.tokens)
+            self._history_tokens += len(doc.tokens)
             while self.num_tokens > self.max_tokens:
                 key, largest = max(self._partitions.items(), key=lambda kv: kv[1].history_tokens)
                 self._evict(key, largest, next(iter(largest.history)))
@@ -171,7 +173,9 @@ class SuffixCache:
 
     def _evict(self, key, part: _Partition, doc_id: int) -> None:
         doc = self._docs.pop(doc_id)
-        part.history_tokens -= part.history.pop(doc_id)
+        removed = part.history.pop(doc_id)
+        part.history_tokens -= removed
+        self._history_tokens -= removed
         if not part.history and not part.live:
             del self._partitions[key]  # nothing left: its index goes with it
         else:
