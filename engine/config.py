@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 SPEC_METHODS = ("none", "draft_model", "ngram", "suffix", "hybrid")
+QUANTIZATION_MODES = ("none", "int8", "int4", "auto")
 
 
 @dataclass
@@ -15,7 +16,9 @@ class SpeculativeConfig:
     draft_model: str | None = None  # recipe name, folder or hub id (draft_model, hybrid)
     draft_dtype: str | None = None  # defaults to the target's dtype; exactness does not need it
     draft_gguf_file: str | None = None
-    draft_quantization: str = "none"  # none | int8 (weight-only dynamic int8 linears, CPU only)
+    # none | int8 | int4 | auto, as engine.quantization (engine/models/quantize.py); the
+    # draft's numerics never change what is emitted, only how often its drafts are accepted
+    draft_quantization: str = "none"
     k_max: int = 4  # most draft tokens per sequence per step (0..16)
     adaptive: bool = True  # choose k per step from measured costs; False: always k_max
     calibrate: bool = True  # time a few forward sizes at start-up to seed the cost model
@@ -50,9 +53,9 @@ class SpeculativeConfig:
         if self.verification not in ("coupled", "rejection"):
             raise ValueError(f"invalid speculative config verification: "
                              f"{self.verification!r}; use coupled or rejection")
-        if self.draft_quantization not in ("none", "int8"):
+        if self.draft_quantization not in QUANTIZATION_MODES:
             raise ValueError(f"invalid speculative config draft_quantization: "
-                             f"{self.draft_quantization!r}; use none or int8")
+                             f"{self.draft_quantization!r}; use one of {QUANTIZATION_MODES}")
         if self.method in ("draft_model", "hybrid") and not self.draft_model:
             raise ValueError(f"invalid speculative config draft_model: method {self.method} "
                              "needs a draft model")
@@ -86,6 +89,12 @@ class EngineConfig:
     gguf_file: str | None = None
     dtype: str = "float32"
     device: str = "auto"  # auto | cpu | cuda | cuda:N
+    # weight-only quantized linears (engine/models/quantize.py): none | int8 | int4 | auto
+    # (auto: the GGUF's own 4-bit blocks as int4 and its 5-8-bit layers as int8, on the CPU;
+    # none on CUDA or without a GGUF source). Output is exact for the weights served: greedy
+    # with speculation == greedy without; it differs from the unquantized model's as any
+    # quantized model's does.
+    quantization: str = "none"
     model_cache_dir: str | None = None  # where recipes live (default ~/.cache/specserve/models)
     block_size: int = 16
     num_blocks: int | None = None  # None: sized from kv_cache_memory_gb
@@ -129,6 +138,9 @@ class EngineConfig:
             raise ValueError("invalid engine config num_blocks: must be >= 1")
         if self.kv_cache_memory_gb <= 0:
             raise ValueError("invalid engine config kv_cache_memory_gb: must be > 0")
+        if self.quantization not in QUANTIZATION_MODES:
+            raise ValueError(f"invalid engine config quantization: {self.quantization!r}; "
+                             f"use one of {QUANTIZATION_MODES}")
         if self.attention_backend not in ("auto", "sdpa", "triton"):
             raise ValueError(f"invalid engine config attention_backend: "
                              f"{self.attention_backend!r}; use auto, sdpa or triton")

@@ -24,8 +24,9 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.model_runner import ModelRunner, ModelShape, RunItem, StepLogits
-from engine.models.draft import load_draft, prepare_draft
-from engine.models.loader import load_model
+from engine.models.draft import draft_source, load_draft, prepare_draft
+from engine.models.loader import load_model, resolve_model_path
+from engine.models.quantize import apply_quantization
 from engine.sample import keys, rejection_sampler, sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -75,11 +76,16 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        if model is None:
+        owned = model is None
+        if owned:
             model, tokenizer = load_model(
                 config.model, dtype=config.dtype, device=config.device,
                 gguf_file=config.gguf_file, tokenizer=config.tokenizer,
                 cache_dir=config.model_cache_dir)
+        model = apply_quantization(
+            model, config.quantization,
+            resolve_model_path(config.model, config.model_cache_dir) if owned else None, owned,
+            what="target")
         self.tokenizer = tokenizer
         draft_model = self._draft_model(model, draft_model)
         models = [model] + ([draft_model] if draft_model is not None else [])
@@ -137,7 +143,9 @@ class LLMEngine:
         owned = given is None  # loaded here: nobody else holds it
         draft = load_draft(speculative, target, self.config.dtype,
                            self.config.model_cache_dir) if owned else given
-        return prepare_draft(draft, speculative.draft_quantization, owned)
+        return prepare_draft(draft, speculative.draft_quantization, owned,
+                             draft_source(speculative, self.config.model_cache_dir)
+                             if owned else None)
 
     def _blocks_for_memory(self, models: list[torch.nn.Module]) -> int:
         """Blocks that fit kv_cache_memory_gb; a draft model's KV shares the same block ids."""

@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+from engine.config import QUANTIZATION_MODES
+
 
 def _models_fetch(args: argparse.Namespace) -> int:
     from engine.models.recipes import FetchError, fetch
@@ -42,9 +44,12 @@ def _serve(args: argparse.Namespace) -> int:
         if v is not None}
     engine = {k: v for k, v in {
         "model": args.model, "device": args.device, "dtype": args.dtype,
-        "num_threads": args.num_threads}.items() if v is not None}
+        "num_threads": args.num_threads, "quantization": args.quantization}.items()
+        if v is not None}
     spec = {k: v for k, v in {"method": args.speculative, "draft_model": args.draft_model,
-                              "k_max": args.k_max}.items() if v is not None}
+                              "k_max": args.k_max,
+                              "draft_quantization": args.draft_quantization}.items()
+            if v is not None}
     if spec:
         engine["speculative"] = spec
     try:
@@ -148,6 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--device", help="auto | cpu | cuda | cuda:N")
     srv.add_argument("--dtype", help="float32 | bfloat16 | float16")
     srv.add_argument("--num-threads", type=int, help="torch CPU threads")
+    srv.add_argument("--quantization", choices=list(QUANTIZATION_MODES),
+                     help="weight-only quantized linears of the target (auto: the GGUF's own "
+                          "4-bit blocks as int4, its 5-8-bit layers as int8, on the CPU)")
+    srv.add_argument("--draft-quantization", choices=list(QUANTIZATION_MODES),
+                     help="the same for the draft model")
     srv.add_argument("--speculative", choices=["none", "draft_model", "ngram", "suffix",
                                                      "hybrid"], help="speculation method")
     srv.add_argument("--draft-model", help="draft model for --speculative draft_model/hybrid")

@@ -10,6 +10,8 @@ so without a rule greedy output changes with speculation and batching. The rule,
   a range of row counts measured to give every row the same bits: fewer rows are padded with
   zero rows, more are split into calls of M1 rows. The autotuned few-row forms of
   engine/kernels/linear.py are never used (they change the reduction with the row count).
+  Quantized linears (engine/kernels/quant_linear.py) are measured the same way, through
+  their own kernel.
 - attention: a query row's output must depend only on its own query and the keys it attends
   to, whatever the other queries and sequences in the call and however its prompt was chunked.
   torch's CPU flash kernel splits a call's keys into blocks of 512 and its queries into blocks
@@ -31,11 +33,13 @@ import logging
 import time
 import types
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
 from engine.attention.paged import InvariantLayout
+from engine.kernels.quant_linear import QUANTIZED_LINEARS
 
 log = logging.getLogger("specserve.engine")
 
@@ -51,8 +55,9 @@ VOCAB_CHECK_COLS = 8192  # output features of the vocabulary projection used by 
 @dataclass
 class InvarianceReport:
     invariant: bool = True
-    # (in, out) -> (M0, M1): row counts of calls that are invariant (None: no such range)
-    linear_rows: dict[tuple[int, int], tuple[int, int] | None] = field(default_factory=dict)
+    # (in, out, kind) -> (M0, M1): row counts of calls that are invariant (None: no range);
+    # kind: "linear", "Int4Linear" or "Int8Linear"
+    linear_rows: dict[tuple[int, int, str], tuple[int, int] | None] = field(default_factory=dict)
     attention: InvariantLayout | None = None  # how attention calls are shaped
     problems: list[str] = field(default_factory=list)
     seconds: float = 0.0
@@ -67,7 +72,7 @@ def _once(key: tuple, measure):
     return _measured[key]
 
 
-def invariant_row_range(weight: torch.Tensor, seed: int = 0) -> tuple[int, int] | None:
+def invariant_row_range(weight: torch.Tensor, seed: int = 0, op=None) -> tuple[int, int] | None:
     """(M0, M1): every call of F.linear with M0 <= M <= M1 rows gives each row the same bits,
     wherever the row sits in the call, and a lone row padded with zero rows to M0 keeps its
     bits; None if there is none. Calls outside the range are padded (fewer rows) or split (more
@@ -77,7 +82,11 @@ def invariant_row_range(weight: torch.Tensor, seed: int = 0) -> tuple[int, int] 
     with the row count. A different order shows in a bf16 output only where the exact sum
     straddles a rounding boundary (about 3 elements in 10,000 here), so every row count is
     compared over at least ~50,000 output elements of ordinary (normal) inputs.
+
+    `op`: the call measured, `F.linear(x, weight)` by default; a quantized layer's matmul
+    passes its own (`weight` then only gives the shape, dtype and device).
     """
+    op = op or (lambda rows: F.linear(rows, weight))
     gen = torch.Generator(device="cpu").manual_seed(seed)
     anchor = CHECK_ROWS[-1]
     rows = LARGE_ROWS[-1]  # the large calls compare this many rows, the small ones fewer:
@@ -85,7 +94,7 @@ def invariant_row_range(weight: torch.Tensor, seed: int = 0) -> tuple[int, int] 
     x = torch.randn(rows, weight.shape[1], generator=gen).to(weight)
 
     def calls_of(m: int, upto: int) -> torch.Tensor:  # rows computed in calls of m rows
-        return torch.cat([F.linear(x[s:s + m], weight) for s in range(0, upto // m * m, m)])
+        return torch.cat([op(x[s:s + m]) for s in range(0, upto // m * m, m)])
 
     with torch.inference_mode():
         ref = calls_of(anchor, rows)
@@ -108,20 +117,24 @@ def invariant_row_range(weight: torch.Tensor, seed: int = 0) -> tuple[int, int] 
             m1 = m
         if m0 > 1:  # a lone row padded with zeros to m0 rows
             pad = x.new_zeros(m0 - 1, x.shape[1])
-            lone = torch.cat([F.linear(torch.cat([x[r:r + 1], pad]), weight)[:1]
-                              for r in range(anchor)])
+            lone = torch.cat([op(torch.cat([x[r:r + 1], pad]))[:1] for r in range(anchor)])
             if not torch.equal(lone, ref[:anchor]):
                 return None
     return m0, m1
 
 
-def _range_forward(module: torch.nn.Linear, m0: int, m1: int):
+def _range_forward(module: torch.nn.Module, m0: int, m1: int):
     """Every call has between m0 and m1 rows: fewer are padded with zero rows, more are split
     into calls of m1 rows (the last one padded to m0)."""
+    quantized = isinstance(module, QUANTIZED_LINEARS)
+
+    def call(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x) if quantized else F.linear(x, self.weight, self.bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.numel() else 0
         if m0 <= rows <= m1 or rows == 0:
-            return F.linear(x, self.weight, self.bias)
+            return call(self, x.reshape(rows, x.shape[-1])).reshape(*x.shape[:-1], -1)
         flat = x.reshape(rows, x.shape[-1])
         parts = []
         for start in range(0, rows, m1):
@@ -129,7 +142,7 @@ def _range_forward(module: torch.nn.Linear, m0: int, m1: int):
             n = part.shape[0]
             if n < m0:
                 part = torch.cat([part, part.new_zeros(m0 - n, part.shape[1])])
-            parts.append(F.linear(part, self.weight, self.bias)[:n])
+            parts.append(call(self, part)[:n])
         y = torch.cat(parts) if len(parts) > 1 else parts[0]
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
@@ -139,19 +152,31 @@ def _range_forward(module: torch.nn.Linear, m0: int, m1: int):
 def make_linears_invariant(model: torch.nn.Module, report: InvarianceReport) -> None:
     """Measure every distinct linear shape of `model` and pad its few-row calls."""
     head = model.get_output_embeddings()
+    dtype = model.get_input_embeddings().weight.dtype
     for module in model.modules():
-        if type(module) is not torch.nn.Linear:
+        quantized = isinstance(module, QUANTIZED_LINEARS)
+        if type(module) is not torch.nn.Linear and not quantized:
             continue
-        weight = module.weight.detach()
-        key = (weight.shape[1], weight.shape[0])
+        kind = type(module).__name__ if quantized else "linear"
+        key = (module.in_features, module.out_features, kind)
         if key not in report.linear_rows:
-            probe = weight[:VOCAB_CHECK_COLS] if module is head else weight
-            found = _once(("linear", *probe.shape, weight.dtype, weight.device),
-                          lambda: invariant_row_range(probe))
+            if quantized:  # the layer's own kernel; a stand-in tensor gives shape and dtype
+                probe = torch.empty(module.out_features, module.in_features, dtype=dtype,
+                                    device=module.bias.device if module.bias is not None
+                                    else next(module.buffers()).device)
+                measure = partial(invariant_row_range, probe, op=module.matmul)
+                # the kernel's reduction does not depend on the values: one layer per shape
+                cache_key = (kind, *probe.shape, dtype, probe.device)
+            else:
+                weight = module.weight.detach()
+                probe = weight[:VOCAB_CHECK_COLS] if module is head else weight
+                measure = partial(invariant_row_range, probe)
+                cache_key = ("linear", *probe.shape, weight.dtype, weight.device)
+            found = _once(cache_key, measure)
             report.linear_rows[key] = found
             if found is None:
                 report.invariant = False
-                report.problems.append(f"linear {key[0]}x{key[1]} ({weight.dtype}): no range "
+                report.problems.append(f"{kind} {key[0]}x{key[1]} ({dtype}): no range "
                                        f"of row counts gives invariant rows")
         found = report.linear_rows[key]
         if found is not None and found != (1, LARGE_ROWS[-1]):

@@ -1,4 +1,4 @@
-"""The draft model: loaded like the target, optionally with weight-only int8 linears.
+"""The draft model: loaded like the target, optionally with weight-only quantized linears.
 
 Must not touch the engine. The draft's numerics never change what is emitted (the verifier
 decides), so it may use whatever kernel is fastest.
@@ -6,13 +6,11 @@ decides), so it may use whatever kernel is fastest.
 
 from __future__ import annotations
 
-import copy
-import warnings
-
 import torch
 
 from engine.config import SpeculativeConfig
-from engine.models.loader import load_model
+from engine.models.loader import load_model, resolve_model_path
+from engine.models.quantize import apply_quantization
 
 
 def load_draft(config: SpeculativeConfig, target: torch.nn.Module, target_dtype: str,
@@ -24,21 +22,16 @@ def load_draft(config: SpeculativeConfig, target: torch.nn.Module, target_dtype:
     return draft
 
 
-def prepare_draft(draft: torch.nn.Module, quantization: str, owned: bool) -> torch.nn.Module:
-    """Apply `quantization` ("none" | "int8"). A caller's model (not `owned`) is never changed
-    in place; one the engine loaded itself is converted in place (half the peak memory)."""
-    if quantization != "int8":
-        return draft
-    if next(draft.parameters()).device.type != "cpu":
-        raise ValueError("invalid speculative config draft_quantization: int8 runs on the "
-                         "CPU only")
-    from torch.ao.quantization import quantize_dynamic
+def draft_source(config: SpeculativeConfig, cache_dir: str | None = None) -> str | None:
+    """The draft's folder (where a stored GGUF form lives), if it is one."""
+    try:
+        return resolve_model_path(config.draft_model, cache_dir)
+    except FileNotFoundError:
+        return None
 
-    # dynamic int8 linears take fp32 activations
-    if owned or draft.dtype == torch.float32:
-        fp32, inplace = draft.float(), owned
-    else:
-        fp32, inplace = copy.deepcopy(draft).float(), True
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch marks the quantized tensor API deprecated
-        return quantize_dynamic(fp32, {torch.nn.Linear}, dtype=torch.qint8, inplace=inplace)
+
+def prepare_draft(draft: torch.nn.Module, quantization: str, owned: bool,
+                  source: str | None = None) -> torch.nn.Module:
+    """Apply `quantization` (engine/models/quantize.py; `source`: the draft's folder). A
+    caller's model (not `owned`) is never changed in place."""
+    return apply_quantization(draft, quantization, source, owned, what="draft")

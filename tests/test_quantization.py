@@ -1,0 +1,264 @@
+"""Weight-only quantized linears: GGUF 4-bit blocks kept exactly, int4/int8 kernels, an engine
+serving a quantized target (and draft) exactly: greedy with speculation == greedy without."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import build_tiny_model, clone_model, random_prompts
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.config import SpeculativeConfig
+from engine.kernels.batch_invariant import invariant_row_range
+from engine.kernels.quant_linear import (Int4Linear, Int8Linear, pack_nibbles,
+                                         quantize_int4_rtn, quantize_int8_rtn, unpack_nibbles)
+from engine.models import quantize
+
+
+def _dequantized(codes, scale, offset):
+    n, k = codes.shape
+    return (codes.double().view(n, -1, 32) * scale.double()[..., None]
+            + offset.double()[..., None]).view(n, k)
+
+
+def test_nibbles_round_trip():
+    q = torch.randint(0, 16, (24, 96), dtype=torch.uint8)
+    packed = pack_nibbles(q)
+    assert packed.shape == (24, 48) and torch.equal(unpack_nibbles(packed), q)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_linear_computes_its_dequantized_weight(dtype):
+    torch.manual_seed(0)
+    w = torch.randn(96, 256)
+    codes, scale, offset = quantize_int4_rtn(w)
+    ref_w = _dequantized(codes, scale, offset)
+    step = scale.max().item()
+    assert (ref_w - w.double()).abs().max() <= 0.5 * step + 1e-6  # round to nearest
+    bias = torch.randn(96)
+    layer = Int4Linear(codes, scale, offset, bias, dtype, "cpu")
+    x = torch.randn(7, 256).to(dtype)
+    ref = x.double() @ ref_w.t() + bias.to(dtype).double()
+    got = layer(x[None])[0]
+    assert got.dtype == dtype and got.shape == (7, 96)
+    tol = 1e-4 if dtype == torch.float32 else 0.02 * ref.abs().max().item()
+    assert (got.double() - ref).abs().max().item() <= tol
+    # the weight the layer uses (scale and zero and the de-quantized weight rounded to the
+    # dtype) is off by a few roundings: a small fraction of a quantization step
+    err = (layer.dequantized().double() - ref_w).abs()
+    assert (err <= scale.double().repeat_interleave(32, 1) / 12).all()
+
+
+def test_int8_linear_matches_its_weight():
+    torch.manual_seed(1)
+    w = torch.randn(64, 128)
+    codes, scale = quantize_int8_rtn(w)
+    assert ((codes.float() * scale[:, None] - w).abs() <= scale[:, None] / 2 + 1e-6).all()
+    layer = Int8Linear(codes, scale, None, torch.float32, "cpu")
+    x = torch.randn(5, 128)
+    assert torch.allclose(layer(x), F.linear(x, codes.float() * scale[:, None]), atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", [Int4Linear, Int8Linear])
+def test_quantized_kernels_are_batch_invariant(kind):
+    """Measured like the plain linears: a row's bits never depend on the other rows."""
+    torch.manual_seed(2)
+    w = torch.randn(64, 256)
+    layer = (Int4Linear(*quantize_int4_rtn(w), None, torch.bfloat16, "cpu") if kind is Int4Linear
+             else Int8Linear(*quantize_int8_rtn(w), None, torch.bfloat16, "cpu"))
+    probe = torch.empty(64, 256, dtype=torch.bfloat16)
+    assert invariant_row_range(probe, op=layer.matmul) is not None
+
+
+def _random_blocks(type_name: str, rows: int, blocks: int, rng) -> np.ndarray:
+    """Random GGUF blocks of `type_name` with finite, ordinary fp16 scales."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    qtype = GGMLQuantizationType[type_name]
+    per_block, nbytes = GGML_QUANT_SIZES[qtype]
+    data = rng.integers(0, 256, size=(rows, blocks, nbytes), dtype=np.uint8)
+    halves = 2 if type_name in ("Q4_1", "Q4_K") else 1
+    scales = rng.uniform(0.001, 0.05, size=(rows, blocks, halves)).astype(np.float16)
+    data[..., :2 * halves] = scales.view(np.uint8).reshape(rows, blocks, 2 * halves)
+    return data.reshape(rows, blocks * nbytes), qtype, per_block
+
+
+class _Tensor:  # what the decoder reads of a GGUFReader tensor
+    def __init__(self, data, qtype, k):
+        self.data, self.tensor_type, self.shape = data, qtype, [k, data.shape[0]]
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q4_K"])
+def test_gguf_block_decoding_matches_gguf_dequantize(type_name):
+    """Codes, scales and offsets decoded from blocks give exactly gguf's own de-quantization
+    (which is what transformers loads): nothing is re-quantized."""
+    from gguf.quants import dequantize
+
+    rng = np.random.default_rng(0)
+    data, qtype, per_block = _random_blocks(type_name, rows=8, blocks=3, rng=rng)
+    codes, scale, offset = quantize.gguf_int4_groups(_Tensor(data, qtype, 3 * per_block))
+    assert codes.max() <= 15 and codes.shape == (8, 3 * per_block)
+    ref = dequantize(data, qtype).astype(np.float64)
+    mine = _dequantized(torch.from_numpy(codes), torch.from_numpy(scale),
+                        torch.from_numpy(offset)).numpy()
+    assert np.abs(mine - ref).max() <= 1e-6 * np.abs(ref).max()
+
+
+def test_quantize_model_modes_and_stored_form(tmp_path):
+    model = build_tiny_model("qwen2")
+    counts = quantize.quantize_model(clone_model(model), "int4")
+    assert counts["int4"] == 2 * 7 + 1 and counts["unchanged"] == 0
+    counts = quantize.quantize_model(clone_model(model), "int8")
+    assert counts["int8"] == 15
+    # auto without a GGUF source serves the model as loaded
+    assert quantize.quantize_model(clone_model(model), "auto")["int4"] == 0
+    with pytest.raises(ValueError, match="invalid quantization"):
+        quantize.quantize_model(clone_model(model), "int3")
+
+
+def _engine(model, method="none", draft=None, dtype="float32", quant="int4",
+            draft_quant="none", **kw):
+    spec = SpeculativeConfig(method=method, draft_model="in-memory" if draft else None,
+                             k_max=4, adaptive=False, draft_quantization=draft_quant,
+                             **({"ngram_max_n": 3} if method == "ngram" else {}))
+    return LLMEngine(EngineConfig(num_blocks=256, dtype=dtype, quantization=quant,
+                                  speculative=spec, **kw),
+                     model=clone_model(model), draft_model=clone_model(draft) if draft else None)
+
+
+def _staggered(engine, prompts, params):
+    outs, pending = {}, list(enumerate(prompts))
+    ids = {}
+    while pending or engine.has_unfinished():
+        if pending:
+            i, p = pending.pop(0)
+            ids[engine.add_request(p, params)] = i
+        for out in engine.step():
+            if out.finished:
+                outs[ids[out.request_id]] = out.output_token_ids
+    return [outs[i] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("draft_quant", ["int4", "int8"])
+def test_int4_target_speculative_greedy_equals_plain_bf16(draft_quant):
+    """bf16, batch of 8 with staggered arrivals, batch invariance on: the int4 target's greedy
+    output is the same with a (quantized) draft model as without, and with n-gram drafts."""
+    target = build_tiny_model("qwen2", dtype=torch.bfloat16)
+    prompts = random_prompts([5, 9, 14, 3, 20, 7, 11, 6])
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    plain_engine = _engine(target, dtype="bfloat16")
+    assert isinstance(plain_engine.runner.model.lm_head, Int4Linear)
+    assert plain_engine.runner.invariance.invariant
+    plain = [o.output_token_ids for o in plain_engine.generate(prompts, greedy)]
+    spec_engine = _engine(target, "draft_model", target, dtype="bfloat16",
+                          draft_quant=draft_quant)
+    draft_model = spec_engine.speculator.proposer.runner.model
+    assert isinstance(draft_model.lm_head, Int4Linear if draft_quant == "int4" else Int8Linear)
+    assert _staggered(spec_engine, prompts, greedy) == plain
+    assert spec_engine.speculator.stats.acceptance_rate > 0.5
+    ngram = _engine(target, "ngram", dtype="bfloat16")
+    assert _staggered(ngram, prompts, greedy) == plain
+    for engine in (spec_engine, ngram):
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_given_model_is_not_changed():
+    target = build_tiny_model("qwen2")
+    engine = LLMEngine(EngineConfig(num_blocks=64, quantization="int8"), model=target)
+    assert type(target.lm_head) is torch.nn.Linear
+    assert isinstance(engine.runner.model.lm_head, Int8Linear)
+
+
+def test_bad_quantization_config_is_refused():
+    with pytest.raises(ValueError, match="quantization"):
+        EngineConfig(quantization="int2")
+    with pytest.raises(ValueError, match="draft_quantization"):
+        SpeculativeConfig(draft_quantization="fp8")
+
+
+@pytest.mark.real_model
+def test_smollm2_gguf_blocks_are_kept_exactly(smollm2_path):
+    """The stored form of SmolLM2's real Q4_1 blocks: its de-quantization equals the converted
+    weights bit for bit (q/k rows un-permuted as transformers does), and an int4 layer built from
+    it computes the bf16 reference layer within bf16 rounding."""
+    from safetensors import safe_open
+
+    stored = quantize.StoredGGUF.find(smollm2_path)
+    assert stored is not None
+    assert set(stored.types.values()) == {"Q4_1", "Q8_0"}  # lm_head is tied to Q8_0 embeddings
+    ref = safe_open(f"{smollm2_path}/model.safetensors", "pt")
+    names = [n for n, t in stored.types.items() if t == "Q4_1"]
+    assert len(names) == 30 * 7
+    for name in names[:7] + names[-7:]:
+        codes, scale, offset = stored.int4_groups(name)
+        weight = ref.get_tensor(f"{name}.weight")
+        assert torch.equal(_dequantized(codes, scale, offset).float(), weight.float()), name
+    codes, scale, offset = stored.int4_groups(names[0])
+    weight = ref.get_tensor(f"{names[0]}.weight").to(torch.bfloat16)
+    layer = Int4Linear(codes, scale, offset, None, torch.bfloat16, "cpu")
+    x = torch.randn(9, weight.shape[1]).to(torch.bfloat16)
+    ref_out = F.linear(x.float(), weight.float())
+    assert (layer(x).float() - ref_out).abs().max() <= 0.02 * ref_out.abs().max()
+
+
+@pytest.mark.real_model
+def test_smollm2_auto_quantized_greedy_spec_equals_plain(smollm2_path):
+    """The real model served from its GGUF types (int4 + int8 head), bf16: prompt lookup
+    speculation changes nothing, alone or 8 at once."""
+    from engine.models.loader import load_model
+
+    tok = load_model(smollm2_path, dtype="bfloat16", device="cpu")[1]
+    prompts = [tok.encode(p) for p in ("def fibonacci(n):", "The capital of France is",
+                                       "List three uses of copper:", "Q: 12 times 12?\nA:")]
+    greedy = SamplingParams(temperature=0, max_tokens=32)
+
+    def engine(method):
+        spec = SpeculativeConfig(method=method, k_max=4)
+        return LLMEngine(EngineConfig(model=smollm2_path, dtype="bfloat16", device="cpu",
+                                      quantization="auto", num_blocks=128, speculative=spec))
+
+    plain_engine = engine("none")
+    assert isinstance(plain_engine.runner.model.model.layers[0].mlp.up_proj, Int4Linear)
+    assert isinstance(plain_engine.runner.model.lm_head, Int8Linear)
+    plain = [o.output_token_ids for o in plain_engine.generate(prompts, greedy)]
+    alone = [o.output_token_ids[:] for p in prompts
+             for o in engine("ngram").generate([p], greedy)]
+    assert alone == plain
+    assert _staggered(engine("ngram"), prompts, greedy) == plain
+
+
+def test_server_serves_an_int4_target_with_the_official_client(tmp_path):
+    """`specserve serve --quantization int4`: the official client gets the int4 model's greedy
+    tokens (the same as an in-process engine with the same setting), streamed or not."""
+    import openai
+    from server_utils import ServerProcess, save_tiny_model
+
+    from engine.models.loader import load_model
+
+    folder = save_tiny_model(tmp_path / "tiny")
+    prompt = random_prompts([12], seed=5)[0]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    model, _ = load_model(str(folder), dtype="float32", device="cpu")
+    expected = {}
+    for quant in ("int4", "none"):
+        engine = LLMEngine(EngineConfig(num_blocks=64, quantization=quant), model=model)
+        expected[quant] = engine.generate([prompt], params)[0].output_token_ids
+    srv = ServerProcess(["--model", str(folder), "--served-model-name", "tiny", "--device", "cpu",
+                         "--num-threads", "1", "--quantization", "int4"]).wait_ready()
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        out = client.completions.create(model="tiny", prompt=prompt, max_tokens=10,
+                                        temperature=0, logprobs=1,
+                                        extra_body={"ignore_eos": True})
+        tokens = out.choices[0].logprobs.tokens
+        streamed = "".join(c.choices[0].text for c in client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=10, temperature=0, stream=True,
+            extra_body={"ignore_eos": True}) if c.choices)
+    finally:
+        assert srv.terminate() == 0, srv.log()
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    assert tokens == [tok.decode([t]) for t in expected["int4"]]
+    assert streamed == out.choices[0].text
+    assert "quantized linears (int4)" in srv.log_path.read_text()
