@@ -4,8 +4,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.specserve-installed
 PYTEST_ARGS ?=
 
-.PHONY: install test serve bench-engine bench-spec bench-methods bench-server wheelhouse \
-	gpu-check clean
+.PHONY: install test serve bench-engine bench-spec bench-methods bench-server bench-llamacpp \
+	wheelhouse gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -34,6 +34,14 @@ bench-spec: install
 bench-methods: install
 	$(VENV)/bin/specserve models fetch qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct
 	$(PY) bench/spec_methods.py
+
+# specserve (bf16, int4, int4 + speculation) against llama.cpp's server on the same GGUF files;
+# builds llama-server once from the llama-cpp-python source package (about 8 minutes).
+bench-llamacpp: install
+	$(VENV)/bin/specserve models fetch qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct \
+		--keep-downloads
+	PYTHON=$(PY) scripts/build_llamacpp.sh
+	$(PY) bench/cpu_vs_llamacpp.py
 
 # The server's packages as CPython 3.12 manylinux wheels, for `make gpu-check` on a machine
 # without network (torch, transformers and triton are expected there already).

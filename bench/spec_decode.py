@@ -10,7 +10,7 @@ adaptive speculation vs plain, aggregate tokens/s. Cases (a)-(i) run the prompts
 bench/prompts/chat.jsonl one at a time (128 new tokens each). Greedy identity: the token ids of
 (b) against (a), and of (i) against (h).
 
-    python bench/spec_decode.py [--dtype bfloat16] [--draft-quantization int8] [--quick]
+    python bench/spec_decode.py [--dtype bfloat16] [--draft-quantization int4] [--quick]
 
 Prints a table, ends with a RESULT line, writes bench/results/spec_decode.md.
 """
@@ -104,7 +104,8 @@ def ideal_speedup(engine) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="bfloat16", help="target and draft dtype")
-    parser.add_argument("--draft-quantization", default="int8", choices=["none", "int8"])
+    parser.add_argument("--draft-quantization", default="int4",
+                        choices=["none", "int8", "int4", "auto"])
     parser.add_argument("--k-max", type=int, default=6)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--sweep-max-tokens", type=int, default=64)
@@ -145,7 +146,7 @@ def main() -> int:
         if case == "(a)":
             invariance = engine.runner.invariance  # the first engine measured the rule
         if case == "(b)":
-            draft_used = engine.speculator.proposer.runner.model  # int8 when quantized
+            draft_used = engine.speculator.proposer.runner.model  # quantized when asked
             ideal = ideal_speedup(engine)
         del engine
         gc.collect()
@@ -230,9 +231,10 @@ def main() -> int:
     print(f"ideal speedup from measured acceptance and step costs: {ideal:.2f}")
     print(invariance_line)
     print(result)
+    quantized = ("" if args.draft_quantization == "none"
+                 else f" with {args.draft_quantization} linears")
     write_results(args.out, "Speculative decoding", args.threads, [
-        f"target {TARGET} {args.dtype}; draft {DRAFT} {args.dtype}"
-        f"{' with int8 weight-only linears' if args.draft_quantization == 'int8' else ''}; "
+        f"target {TARGET} {args.dtype}; draft {DRAFT} {args.dtype}{quantized}; "
         f"the same draft object for transformers' assisted generation",
         f"{len(prompts)} chat prompts from {Path(args.prompts).relative_to(ROOT)}, "
         f"{args.max_tokens} new tokens each, one request at a time for (a)-(i); the sweep "

@@ -3,7 +3,7 @@
 Methods: plain (no speculation), draft_model (the 0.5B draft, adaptive k), ngram (prompt lookup),
 suffix (suffix matches in the sequence's own text and in earlier requests' texts), hybrid
 (per sequence per step, the suffix match or the draft model, whichever the cost model predicts
-pays more). Target bf16, draft bf16 with int8 linears (as served), greedy unless stated.
+pays more). Target bf16, draft with int4 linears (as served), greedy unless stated.
 
 Workloads (prompts written for this project's benchmarks, no external dataset):
 - chat: bench/prompts/chat.jsonl, 8 coding and prose questions;
@@ -42,6 +42,7 @@ from results_file import write_results  # noqa: E402
 from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from engine.block_manager import BlockManager  # noqa: E402
 from engine.config import SpeculativeConfig  # noqa: E402
+from engine.models import recipes  # noqa: E402
 from engine.models.draft import prepare_draft  # noqa: E402
 from engine.models.loader import load_model  # noqa: E402
 from engine.spec_decode.suffix import SuffixCache  # noqa: E402
@@ -112,7 +113,7 @@ def main() -> int:
         torch.set_num_threads(args.threads)
     target, tok = load_model(TARGET, dtype="bfloat16")
     draft, _ = load_model(DRAFT, dtype="bfloat16")
-    draft = prepare_draft(draft, "int8", owned=True)
+    draft = prepare_draft(draft, "int4", owned=True, source=str(recipes.model_dir(DRAFT)))
     chat = load_prompts(tok, ROOT / "bench/prompts/chat.jsonl")
     edit = load_prompts(tok, ROOT / "bench/prompts/code_edit.jsonl")
     n = 2 if args.quick else 8
@@ -192,7 +193,7 @@ def main() -> int:
         for m, w, c, t, s, r, x, same, acc, upd in rows])
     worst = min(rates["hybrid", w, c] / rates["plain", w, c] for (m, w, c) in rates
                 if m == "hybrid")
-    details = [f"target {TARGET} bf16, draft {DRAFT} bf16 with int8 linears, k_max {args.k_max} "
+    details = [f"target {TARGET} bf16, draft {DRAFT} with int4 linears, k_max {args.k_max} "
                f"(draft model), suffix defaults (max 32 drafts), adaptive",
                f"{n} prompts per workload ({c1} at concurrency 1), {max_tokens} new tokens "
                f"each ({edit_tokens} for code_edit), ignore_eos"]

@@ -1,5 +1,5 @@
 """The cost of structured output: tokens/s of json_schema requests vs the same requests
-unconstrained, speculation on (the default Qwen2.5-Coder pair, bf16 target, int8 draft), at
+unconstrained, speculation on (the default Qwen2.5-Coder pair, bf16 target, int4 draft), at
 concurrency 1 (the requests one at a time) and 8 (all at once), in ONE run; with acceptance.
 
     python bench/structured.py [--quick]
@@ -64,7 +64,7 @@ def main() -> int:
                                   grammar=structured.json_schema(r["schema"])) for r in rows]
     free = [SamplingParams(temperature=0, max_tokens=args.max_tokens)] * len(rows)
     spec = SpeculativeConfig(method="draft_model", draft_model=DRAFT, k_max=6,
-                             draft_quantization="int8")
+                             draft_quantization="int4")
     engine = LLMEngine(EngineConfig(kv_cache_memory_gb=1.5, max_num_seqs=32,
                                     max_num_batched_tokens=512, speculative=spec),
                        model=target, tokenizer=tok, draft_model=draft)
@@ -112,7 +112,7 @@ def main() -> int:
     print(f"grammar mask time: {mask_s:.2f} s in all")
     print(result)
     write_results(args.out, "Structured output", args.threads, [
-        f"target {TARGET} bf16, draft {DRAFT} bf16 with int8 linears, speculation on "
+        f"target {TARGET} bf16, draft {DRAFT} with int4 linears, speculation on "
         f"(adaptive k, k_max 6), greedy, {args.max_tokens} new tokens at most",
         f"{len(rows)} prompts from bench/prompts/structured.jsonl, each with and without its "
         f"JSON schema; per concurrency: unconstrained, constrained, constrained, "

@@ -133,8 +133,11 @@ def _range_forward(module: torch.nn.Module, m0: int, m1: int):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.numel() else 0
-        if m0 <= rows <= m1 or rows == 0:
-            return call(self, x.reshape(rows, x.shape[-1])).reshape(*x.shape[:-1], -1)
+        if rows == 0:
+            return x.new_empty(*x.shape[:-1], self.out_features)
+        if m0 <= rows <= m1:
+            y = call(self, x.reshape(rows, x.shape[-1]))
+            return y.reshape(*x.shape[:-1], y.shape[-1])
         flat = x.reshape(rows, x.shape[-1])
         parts = []
         for start in range(0, rows, m1):

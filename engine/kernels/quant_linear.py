@@ -39,16 +39,24 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
 
 
-def quantize_int4_rtn(weight: torch.Tensor, group_size: int = GROUP_SIZE):
+def quantize_int4_rtn(weight: torch.Tensor, group_size: int = GROUP_SIZE, chunk: int = 8192):
     """Round-to-nearest asymmetric int4 per group (GGUF Q4_1's form): returns (codes [N, K]
-    uint8, scale [N, G] fp32, offset [N, G] fp32). For weights that have no 4-bit source."""
+    uint8, scale [N, G] fp32, offset [N, G] fp32). For weights that have no 4-bit source.
+    Works through `chunk` rows at a time (a vocabulary projection in fp32 would be a GB)."""
     n, k = weight.shape
-    w = weight.detach().float().reshape(n, k // group_size, group_size)
-    lo, hi = w.amin(-1), w.amax(-1)
-    scale = (hi - lo) / 15
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round((w - lo[..., None]) / safe[..., None]).clamp(0, 15)
-    return q.to(torch.uint8).reshape(n, k), scale, lo
+    codes = torch.empty(n, k, dtype=torch.uint8)
+    scale = torch.empty(n, k // group_size)
+    offset = torch.empty(n, k // group_size)
+    for start in range(0, n, chunk):
+        w = weight[start:start + chunk].detach().to(torch.float32, copy=True)
+        w = w.reshape(-1, k // group_size, group_size)
+        lo, hi = w.amin(-1), w.amax(-1)
+        step = (hi - lo) / 15
+        safe = torch.where(step > 0, step, torch.ones_like(step))
+        w.sub_(lo[..., None]).div_(safe[..., None]).round_().clamp_(0, 15)
+        codes[start:start + chunk] = w.reshape(-1, k).to(torch.uint8)
+        scale[start:start + chunk], offset[start:start + chunk] = step, lo
+    return codes, scale, offset
 
 
 def quantize_int8_rtn(weight: torch.Tensor):

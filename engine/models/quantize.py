@@ -22,6 +22,7 @@ in the model's folder: per linear layer its 4-bit codes (two per byte), scales a
 from __future__ import annotations
 
 import copy
+import ctypes
 import json
 import logging
 import re
@@ -187,7 +188,17 @@ def apply_quantization(model: torch.nn.Module, mode: str, source: str | Path | N
     if not owned:
         model = copy.deepcopy(model)
     quantize_model(model, mode, source)
+    _return_freed_memory()
     return model
+
+
+def _return_freed_memory() -> None:
+    """The replaced float weights were freed into the C allocator; give the pages back to the
+    OS (glibc keeps them otherwise: measured ~1 GB of RSS on the 0.5B draft)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
 
 
 def _linears(model: torch.nn.Module):

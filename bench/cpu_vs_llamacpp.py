@@ -1,0 +1,210 @@
+"""The Qwen2.5-Coder pair on this CPU: specserve (bf16, int4, int4 + speculation) against
+llama.cpp's server on the same GGUF files, in one run, through each server's OpenAI API.
+
+    python bench/cpu_vs_llamacpp.py [--llama-server PATH] [--max-tokens 128] [--threads 2]
+
+llama.cpp: `llama-server` built from the `llama-cpp-python` source package (its vendored
+llama.cpp; see scripts/build_llamacpp.sh), run with the target GGUF (Q4_K_M) plain and with the
+draft GGUF (`-md ... --spec-type draft-simple`, its default draft length). specserve: the same
+target de-quantized to bf16 (the reference), `--quantization int4` (the GGUF's Q4_K blocks as
+they are, its Q6_K layers re-quantized to int4), and int4 with the int4 draft and adaptive k.
+
+Workload: the 8 chat prompts of bench/prompts/chat.jsonl, greedy, at most --max-tokens new
+tokens each; c=1 (one request at a time: tokens/s = tokens / time of the requests) and c=8 (all
+8 at once: tokens / wall time). Reported besides speed: each engine's speculative output vs its
+own plain output (greedy identity: answers identical, and the mean share of an answer before
+the first difference), int4 vs bf16 (what quantization changes), c=8 vs c=1, and memory (RSS
+of the server process after the run, and its peak).
+
+Ends with `RESULT int4_vs_bf16_plain=… ours_spec_vs_llamacpp_plain=…
+ours_spec_vs_llamacpp_spec=… ours_c8_vs_llamacpp_c8=…` (ours at c=8: int4 + speculation;
+llama.cpp at c=8: the faster of its two settings) and writes bench/results/cpu_vs_llamacpp.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from results_file import write_results  # noqa: E402
+from server_utils import ServerProcess, free_port, wait_ok  # noqa: E402
+
+from engine.models import recipes  # noqa: E402
+
+TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
+CONTEXT = 8192  # tokens of KV cache, both servers
+KV_BYTES_PER_TOKEN = {TARGET: 28 * 2 * 256 * 2, DRAFT: 24 * 2 * 128 * 2}  # layers x K,V x bf16
+DEFAULT_LLAMA = Path.home() / ".cache" / "specserve" / "llamacpp" / "bin" / "llama-server"
+
+
+def rss_gb(pid: int, field: str) -> float:
+    """VmHWM: the peak (loading included: a memory-mapped weights file counts while it is
+    read); VmRSS: now."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1e6
+    return float("nan")
+
+
+class LlamaServer:
+    def __init__(self, binary: Path, target: Path, draft: Path | None, threads: int) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [str(binary), "-m", str(target), "-t", str(threads), "-tb", str(threads),
+               "-c", str(CONTEXT), "-np", "8", "--temp", "0", "--host", "127.0.0.1",
+               "--port", str(self.port)]
+        if draft is not None:
+            cmd += ["-md", str(draft), "--spec-type", "draft-simple", "-td", str(threads)]
+        self.cmd = cmd
+        self.log_path = Path("/tmp") / f"llama-server-{self.port}.log"
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float = 300) -> "LlamaServer":
+        if not wait_ok(self.url + "/health", timeout, lambda: self.proc.poll() is None):
+            raise RuntimeError(f"llama-server did not start:\n{self.log_path.read_text()[-3000:]}")
+        return self
+
+    def terminate(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+        self._log.close()
+
+
+def chat(url: str, messages: list, max_tokens: int) -> tuple[str, int, float]:
+    body = {"model": "bench", "messages": messages, "max_tokens": max_tokens, "temperature": 0}
+    t0 = time.perf_counter()
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=1800)
+    seconds = time.perf_counter() - t0
+    r.raise_for_status()
+    out = r.json()
+    return out["choices"][0]["message"]["content"] or "", out["usage"]["completion_tokens"], seconds
+
+
+def measure(url: str, prompts: list, max_tokens: int) -> dict:
+    chat(url, [{"role": "user", "content": "Hello"}], 8)  # warm-up
+    c1 = [chat(url, p, max_tokens) for p in prompts]
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        c8 = list(pool.map(lambda p: chat(url, p, max_tokens), prompts))
+    wall = time.perf_counter() - t0
+    return {"texts": [c[0] for c in c1], "texts_c8": [c[0] for c in c8],
+            "c1": sum(c[1] for c in c1) / sum(c[2] for c in c1),
+            "c8": sum(c[1] for c in c8) / wall, "tokens": sum(c[1] for c in c1)}
+
+
+def same(a: list[str], b: list[str]) -> str:
+    """Answers identical, and the mean share of an answer before the first difference."""
+    shared = [len(os.path.commonprefix([x, y])) / max(len(x), len(y), 1) for x, y in zip(a, b)]
+    return f"{sum(x == y for x, y in zip(a, b))}/{len(a)} ({sum(shared) / len(shared):.0%})"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--llama-server", default=str(DEFAULT_LLAMA))
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--k-max", type=int, default=4)
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "cpu_vs_llamacpp.md"))
+    args = parser.parse_args()
+    binary = Path(args.llama_server)
+    if not binary.is_file():
+        print(f"error: no llama-server at {binary}; build it with scripts/build_llamacpp.sh",
+              file=sys.stderr)
+        return 2
+    version_file = binary.parent.parent / "VERSION"
+    llama_version = (version_file.read_text().splitlines()[0] if version_file.is_file()
+                     else "version unknown")
+    version = subprocess.run([str(binary), "--version"], capture_output=True, text=True)
+    llama_version += "; " + " ".join((version.stdout + version.stderr).split())
+    target_gguf, draft_gguf = recipes.source_gguf(TARGET), recipes.source_gguf(DRAFT)
+    prompts = [json.loads(line)["messages"] for line in
+               (ROOT / "bench" / "prompts" / "chat.jsonl").read_text().splitlines()
+               if line.strip()]
+
+    runs: dict[str, dict] = {}
+    common = ["--model", TARGET, "--served-model-name", "bench", "--device", "cpu",
+              "--dtype", "bfloat16", "--num-threads", str(args.threads)]
+    ours = {
+        "specserve bf16 plain": ["--speculative", "none"],
+        "specserve int4 plain": ["--speculative", "none", "--quantization", "int4"],
+        "specserve int4 + draft int4 (adaptive)": [
+            "--quantization", "int4", "--speculative", "draft_model", "--draft-model", DRAFT,
+            "--draft-quantization", "int4", "--k-max", str(args.k_max)],
+    }
+    for name, extra in ours.items():
+        # KV pools for CONTEXT tokens, as llama.cpp's -c (the pool is allocated up front)
+        per_token = KV_BYTES_PER_TOKEN[TARGET] + (KV_BYTES_PER_TOKEN[DRAFT]
+                                                  if "--draft-model" in extra else 0)
+        env = {"SPECSERVE_KV_CACHE_MEMORY_GB": f"{CONTEXT * per_token / (1 << 30):.4f}"}
+        srv = ServerProcess(common + extra, env=env).wait_ready(600)
+        try:
+            runs[name] = measure(srv.url, prompts, args.max_tokens)
+            runs[name]["rss"] = (rss_gb(srv.proc.pid, "VmRSS"), rss_gb(srv.proc.pid, "VmHWM"))
+        finally:
+            srv.terminate()
+        print(f"{name}: c1 {runs[name]['c1']:.2f} tok/s, c8 {runs[name]['c8']:.2f} tok/s",
+              flush=True)
+    for name, draft in (("llama.cpp Q4_K_M plain", None),
+                        ("llama.cpp Q4_K_M + draft", draft_gguf)):
+        srv = LlamaServer(binary, target_gguf, draft, args.threads).wait_ready()
+        try:
+            runs[name] = measure(srv.url, prompts, args.max_tokens)
+            runs[name]["rss"] = (rss_gb(srv.proc.pid, "VmRSS"), rss_gb(srv.proc.pid, "VmHWM"))
+            runs[name]["cmd"] = " ".join(Path(c).name if "/" in c else c for c in srv.cmd)
+        finally:
+            srv.terminate()
+        print(f"{name}: c1 {runs[name]['c1']:.2f} tok/s, c8 {runs[name]['c8']:.2f} tok/s",
+              flush=True)
+
+    bf16, int4, spec = (runs[n] for n in ours)
+    lplain, lspec = runs["llama.cpp Q4_K_M plain"], runs["llama.cpp Q4_K_M + draft"]
+    identity = {
+        "specserve bf16 plain": "reference",
+        "specserve int4 plain": f"vs bf16: {same(int4['texts'], bf16['texts'])}",
+        "specserve int4 + draft int4 (adaptive)": f"vs int4 plain: "
+                                                  f"{same(spec['texts'], int4['texts'])}",
+        "llama.cpp Q4_K_M plain": f"vs specserve bf16: {same(lplain['texts'], bf16['texts'])}",
+        "llama.cpp Q4_K_M + draft": f"vs llama.cpp plain: "
+                                    f"{same(lspec['texts'], lplain['texts'])}",
+    }
+    lines = ["| engine | c=1 tok/s | c=8 tok/s | greedy identity (c=1) | c=8 == c=1 | "
+             "RSS GB after the run (peak) |", "|---|---|---|---|---|---|"]
+    for name, r in runs.items():
+        lines.append(f"| {name} | {r['c1']:.2f} | {r['c8']:.2f} | {identity[name]} | "
+                     f"{same(r['texts_c8'], r['texts'])} | {r['rss'][0]:.2f} "
+                     f"({r['rss'][1]:.2f}) |")
+    table = "\n".join(lines)
+    result = (f"RESULT int4_vs_bf16_plain={int4['c1'] / bf16['c1']:.2f} "
+              f"ours_spec_vs_llamacpp_plain={spec['c1'] / lplain['c1']:.2f} "
+              f"ours_spec_vs_llamacpp_spec={spec['c1'] / lspec['c1']:.2f} "
+              f"ours_c8_vs_llamacpp_c8={spec['c8'] / max(lplain['c8'], lspec['c8']):.2f}")
+    print(table)
+    print(result)
+    write_results(args.out, "specserve vs llama.cpp on this CPU (Qwen2.5-Coder 1.5B + 0.5B)",
+                  args.threads,
+                  [f"llama.cpp: {llama_version}, "
+                   f"`{lplain['cmd']}`; with draft: `{lspec['cmd']}`",
+                   f"workload: bench/prompts/chat.jsonl (8 chat prompts), greedy, at most "
+                   f"{args.max_tokens} new tokens, c=1 then all 8 at once (c=8); KV cache for "
+                   f"{CONTEXT} tokens in both servers",
+                   "specserve int4: the GGUF's Q4_K blocks as they are, Q6_K layers "
+                   "(lm_head, half of v/down) re-quantized to int4 group 32; draft int4 likewise"],
+                  table, result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
