@@ -373,7 +373,7 @@ def test_padding_only_vocabulary_difference_is_allowed(tiny_tokenizer):
 def test_realized_rates_turn_speculation_off_where_it_measured_slower():
     from engine.spec_decode.adaptive import RealizedRates
 
-    r = RealizedRates(explore_every=4, refresh_every=8)
+    r = RealizedRates(explore_every=4, refresh_every=8, explore_burst=1)
     # no evidence yet: speculate, with a plain step now and then to measure plain
     asked = [r.speculate(8) for _ in range(16)]
     assert asked.count(False) == 2 and asked[7] is False
@@ -389,3 +389,9 @@ def test_realized_rates_turn_speculation_off_where_it_measured_slower():
     for _ in range(40):  # speculation got faster: it comes back
         r.record(8, True, 30, 1.0)
     assert [r.speculate(8) for _ in range(8)].count(True) == 7
+    # exploration in bursts: the first step of one pays the draft's catch-up, the rest measure
+    burst = RealizedRates(explore_every=8, refresh_every=8, explore_burst=3)
+    burst.record(1, True, 1, 1.0)
+    burst.record(1, False, 2, 1.0)
+    pattern = [burst.speculate(1) for _ in range(16)]
+    assert pattern.count(True) == 6 and pattern[7:10] == [True] * 3

@@ -117,13 +117,16 @@ class RealizedRates:
     The plans are predictions from cost tables kept by token count; at larger batches the
     packaged pair realized up to 15% less than predicted (per-row sampling and verification work
     the tables see only on average), so speculation could run slower than plain decoding. Once a
-    class has both rates and speculation's is the lower, its steps run plain, with one
-    speculative step every `explore_every` to notice when that changes; while speculation wins,
-    one step in `refresh_every` runs plain to keep the plain rate current.
+    class has both rates and speculation's is the lower, its steps run plain, with a burst of
+    `explore_burst` speculative steps every `explore_every` to notice when that changes (the
+    first step of a burst pays the draft model's catch-up on the tokens it missed, which a
+    steady run does not: the speculator records only steps without that catch-up); while
+    speculation wins, one step in `refresh_every` runs plain to keep the plain rate current.
     """
 
     alpha: float = 0.1
     explore_every: int = 16
+    explore_burst: int = 3
     refresh_every: int = 32
     rates: dict[tuple[int, bool], float] = field(default_factory=dict)
     _asked: dict[int, int] = field(default_factory=dict)
@@ -141,7 +144,7 @@ class RealizedRates:
         asked = self._asked[c] = self._asked.get(c, 0) + 1
         spec, plain = self.rates.get((c, True)), self.rates.get((c, False))
         if spec is not None and plain is not None and spec < plain:
-            return asked % self.explore_every == 0
+            return asked % self.explore_every < self.explore_burst
         return asked % self.refresh_every != 0
 
 

@@ -27,6 +27,10 @@ from engine.spec_decode.proposer import Proposer
 from engine.spec_decode.stats import SpecDecodeStats
 from engine.spec_decode.suffix import SuffixCache, SuffixDraft
 
+# a step whose drafts come after more tokens than a steady run leaves the draft model behind
+# (the bonus token, and the last draft when all were accepted) includes a catch-up
+CATCH_UP_TOKENS = 2
+
 # row_spec(seq, drafts_so_far) -> how to sample the position after those drafts
 RowSpecFn = Callable[[Sequence, list[int]], RowSpec]
 
@@ -73,6 +77,7 @@ class Speculator(NoSpeculation):
         self._method: dict[str, tuple[str, int]] = {}
         self.realized = RealizedRates()
         self._propose_seconds = 0.0  # the last propose call (paid by the step that verifies)
+        self._catching_up = False  # the last proposal included a draft-model catch-up
 
     def drop(self, seqs: list[Sequence], finished: bool) -> None:
         """Forget the drafts of sequences that left the running set (and all of their state
@@ -171,6 +176,9 @@ class Speculator(NoSpeculation):
         if (any(ks) or any(kf)) and self.config.adaptive \
                 and not self.realized.speculate(len(running)):
             ks, kf = [0] * len(ks), [0] * len(kf)  # measured: plain steps are faster here
+        # the draft model catching up on tokens it missed (after plain steps): the step's
+        # realized rate is not what steady speculation reaches
+        self._catching_up = any(k > 0 and b > CATCH_UP_TOKENS for k, b in zip(ks, backlog))
         if not any(ks):  # a step without drafts: old evidence must not keep k at 0 for good
             ctl.decay_evidence()
         ks = [min(k, room) for k, room in zip(ks, rooms)]
@@ -206,7 +214,8 @@ class Speculator(NoSpeculation):
                 self._record(seq, num_drafted, num_accepted)
             else:
                 self._method.pop(seq.request_id, None)
-        if len(verified) == target_seqs and target_tokens == target_seqs + drafted:
+        if len(verified) == target_seqs and target_tokens == target_seqs + drafted \
+                and not (drafted and self._catching_up):
             # a pure decode step: what it realized, drafting included
             self.realized.record(target_seqs, drafted > 0, emitted,
                                  seconds + self._propose_seconds)
