@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.paged import InvariantLayout
-from engine.kernels.quant_linear import QUANTIZED_LINEARS
+from engine.kernels.quant_linear import QUANTIZED_LINEARS, stand_in
 
 log = logging.getLogger("specserve.engine")
 
@@ -152,6 +152,12 @@ def _range_forward(module: torch.nn.Module, m0: int, m1: int):
     return types.MethodType(forward, module)
 
 
+def _measure_quantized(module: torch.nn.Module, probe: torch.Tensor, stand_in_layer: bool
+                       ) -> tuple[int, int] | None:
+    layer = stand_in(module, probe.shape[0], probe.dtype) if stand_in_layer else module
+    return invariant_row_range(probe, op=layer.matmul)
+
+
 def make_linears_invariant(model: torch.nn.Module, report: InvarianceReport) -> None:
     """Measure every distinct linear shape of `model` and pad its few-row calls."""
     head = model.get_output_embeddings()
@@ -164,10 +170,12 @@ def make_linears_invariant(model: torch.nn.Module, report: InvarianceReport) -> 
         key = (module.in_features, module.out_features, kind)
         if key not in report.linear_rows:
             if quantized:  # the layer's own kernel; a stand-in tensor gives shape and dtype
-                probe = torch.empty(module.out_features, module.in_features, dtype=dtype,
-                                    device=module.bias.device if module.bias is not None
-                                    else next(module.buffers()).device)
-                measure = partial(invariant_row_range, probe, op=module.matmul)
+                # (a vocabulary projection: a layer of random codes of its first columns' size)
+                big = module is head and module.out_features > VOCAB_CHECK_COLS
+                probe = torch.empty(VOCAB_CHECK_COLS if big else module.out_features,
+                                    module.in_features, dtype=dtype,
+                                    device=next(module.buffers()).device)
+                measure = partial(_measure_quantized, module, probe, big)
                 # the kernel's reduction does not depend on the values: one layer per shape
                 cache_key = (kind, *probe.shape, dtype, probe.device)
             else:

@@ -155,3 +155,21 @@ class Int8Linear(torch.nn.Module):
 
 
 QUANTIZED_LINEARS = (Int4Linear, Int8Linear)
+
+
+def stand_in(module: Int4Linear | Int8Linear, out_features: int, dtype: torch.dtype,
+             seed: int = 0) -> Int4Linear | Int8Linear:
+    """A layer of the same kind, input size, dtype and device with `out_features` outputs of
+    random codes: what the batch-invariance check measures instead of a large layer (a
+    vocabulary projection), since the kernel's reduction does not depend on the values."""
+    gen = torch.Generator().manual_seed(seed)
+    k = module.in_features
+    device = next(module.buffers()).device
+    if isinstance(module, Int4Linear):
+        groups = k // module.group_size
+        return Int4Linear(torch.randint(0, 16, (out_features, k), generator=gen),
+                          torch.rand(out_features, groups, generator=gen) * 0.02 + 1e-3,
+                          torch.rand(out_features, groups, generator=gen) * -0.15, None, dtype,
+                          device, module.group_size)
+    return Int8Linear(torch.randint(-127, 128, (out_features, k), generator=gen),
+                      torch.rand(out_features, generator=gen) * 0.002 + 1e-4, None, dtype, device)

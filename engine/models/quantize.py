@@ -180,14 +180,15 @@ def apply_quantization(model: torch.nn.Module, mode: str, source: str | Path | N
     changed)."""
     if mode == "none":
         return model
-    if mode in ("int4", "auto") and StoredGGUF.find(source) is None and source is not None \
+    stored = StoredGGUF.find(source) if mode in ("int4", "auto") else None
+    if mode in ("int4", "auto") and stored is None and source is not None \
             and (Path(source) / "specserve-recipe.json").is_file():
         log.warning("%s: %s has no stored GGUF form (%s); run `specserve models fetch %s "
                     "--force` to add it. Until then int4 re-quantizes the converted weights and "
                     "auto serves them unquantized", what, source, STORED_FILE, Path(source).name)
     if not owned:
         model = copy.deepcopy(model)
-    quantize_model(model, mode, source)
+    quantize_model(model, mode, stored=stored)
     _return_freed_memory()
     return model
 
@@ -213,12 +214,14 @@ def _set_module(model: torch.nn.Module, name: str, module: torch.nn.Module) -> N
 
 
 def quantize_model(model: torch.nn.Module, mode: str, source: str | Path | None = None,
-                   ) -> dict[str, int]:
+                   stored: StoredGGUF | None = None) -> dict[str, int]:
     """Replace `model`'s linear layers in place as `mode` says; `source`: the model's folder
-    (its stored GGUF form, if any). Returns how many layers got each form."""
+    (its stored GGUF form, if any), or the stored form already opened. Returns how many layers
+    got each form."""
     if mode not in MODES:
         raise ValueError(f"invalid quantization {mode!r}; use one of {MODES}")
-    stored = StoredGGUF.find(source) if mode in ("int4", "auto") else None
+    if stored is None and mode in ("int4", "auto"):
+        stored = StoredGGUF.find(source)
     device = next(model.parameters()).device
     if mode == "auto" and (stored is None or device.type != "cpu"):
         mode = "none"
