@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import torch
 
+from engine import device_io
 from engine.attention.paged import PagedKVCache
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
@@ -281,13 +282,12 @@ class LLMEngine:
         step_logits = self.runner.execute([RunItem(s.token_ids, s.start, s.seq.block_table,
                                                    s.num_sample_rows) for s in out.scheduled])
         owners = self._row_owners(out, step_logits)
-        emitted = self._verify(owners, step_logits.logits, masks)
+        emitted, logprobs = self._results(owners, step_logits.logits, masks)
         self.speculator.observe(out.num_batched_tokens, len(out.scheduled),
                                 time.perf_counter() - started,
                                 ((o.seq, len(o.drafts), len(e) - 1)
                                  for o, e in zip(owners, emitted)))
-        changed = self._update(out, owners, emitted,
-                               self._logprobs(owners, emitted, step_logits.logits))
+        changed = self._update(out, owners, emitted, logprobs)
         self.speculator.propose(self.scheduler.running, self._num_joining(),
                                 self._draft_row_spec)
         return [self._output(seq) for seq in changed]
@@ -345,25 +345,37 @@ class LLMEngine:
         verification (both emit exactly the tokens plain decoding would)."""
         return seq.params.greedy or (self.coupled and seq.params.seed is not None)
 
+    def _results(self, owners: list[RowOwner], logits: torch.Tensor,
+                 masks: GrammarMasks | None) -> tuple[list[list[int]], list[list | None]]:
+        """Per row owner, its emitted tokens (accepted drafts + one sampled token) and their
+        logprobs (None unless asked for). Verification and logprobs run on the device; the
+        host reads them in the step's ONE transfer (engine/device_io.py)."""
+        if not owners:
+            return [], []
+        emitted = self._verify(owners, logits, masks)
+        lp = self._logprob_tensors(owners, emitted, logits)
+        host = device_io.lists(emitted, *(lp or (None, None, None)))
+        tokens = rejection_sampler.to_lists(host[0])
+        return tokens, self._logprobs(owners, tokens, host[1:])
+
     def _verify(self, owners: list[RowOwner], logits: torch.Tensor,
-                masks: GrammarMasks | None = None) -> list[list[int]]:
-        """Emitted tokens per row owner: its accepted drafts + one sampled token.
+                masks: GrammarMasks | None = None) -> torch.Tensor:
+        """[B, max k + 1] on the device: per row owner its emitted tokens, padded with
+        PLACEHOLDER.
 
         logits: [R, V] raw, exactly the owners' rows in order; masks: of its constrained rows.
         """
-        if not owners:
-            return []
         rows = [self._row_spec(o.seq, o.drafts[:j]) for o in owners
                 for j in range(len(o.drafts) + 1)]
         allowed = None if masks is None else (masks.rows, masks.allowed.result())
         tensors = sampler.build_sampling_tensors(rows, self.vocab_size, self.device, allowed)
         processed = sampler.process_logits(logits, tensors)
         if not any(o.drafts for o in owners):  # no speculation this step: one vectorized draw
-            return [[t] for t in sampler.sample(processed, tensors, self.generator).tolist()]
+            return sampler.sample(processed, tensors, self.generator)[:, None]
         return self._verify_drafts(owners, processed, tensors)
 
     def _verify_drafts(self, owners: list[RowOwner], processed: torch.Tensor,
-                       tensors: sampler.SamplingTensors) -> list[list[int]]:
+                       tensors: sampler.SamplingTensors) -> torch.Tensor:
         by_pick = [self._by_pick(o.seq) for o in owners]
         # the target's own pick at every row verified by pick: a keyed race for coupled
         # sampled rows, the argmax for the rest (never read for rows verified by rejection)
@@ -374,38 +386,62 @@ class LLMEngine:
         target = processed if all(by_pick) else torch.softmax(processed, dim=-1)
         qs = [self.speculator.draft_probs(o.seq, len(o.drafts)) for o in owners]
         qs = [None if pick else q for q, pick in zip(qs, by_pick)]  # by pick: q is not needed
+        flat = device_io.to_device([t for o in owners for t in o.drafts], torch.long,
+                                   self.device)
         draft_probs = None
         if any(q is not None for q, o in zip(qs, owners) if o.drafts):
             # a q that is never read (verified by pick) or absent: one-hot keeps rows aligned
-            draft_probs = torch.cat([
-                q if q is not None else torch.nn.functional.one_hot(
-                    torch.tensor(o.drafts, device=self.device), self.vocab_size).float()
-                for q, o in zip(qs, owners) if o.drafts])
+            parts, start = [], 0
+            for q, o in zip(qs, owners):
+                if o.drafts:
+                    parts.append(q if q is not None else torch.nn.functional.one_hot(
+                        flat[start:start + len(o.drafts)], self.vocab_size).float())
+                start += len(o.drafts)
+            draft_probs = torch.cat(parts)
         noise_keys = [None if pick or o.seq.params.seed is None else
                       tensors.noise_keys[o.first_row:o.first_row + len(o.drafts) + 1]
                       for o, pick in zip(owners, by_pick)]
-        flat = [t for o in owners for t in o.drafts]
-        emitted = rejection_sampler.rejection_sample(
-            torch.tensor(flat, dtype=torch.long, device=self.device),
-            [len(o.drafts) for o in owners], draft_probs, target, by_pick, noise_keys,
+        return rejection_sampler.rejection_sample(
+            flat, [len(o.drafts) for o in owners], draft_probs, target, by_pick, noise_keys,
             self.generator, picks)
-        return rejection_sampler.to_lists(emitted)
+
+    def _logprob_tensors(self, owners: list[RowOwner], emitted: torch.Tensor,
+                         logits: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        """On the device, the logprobs at every row of the owners that asked for them, of the
+        token emitted there (rows after the last emitted token are computed and dropped)."""
+        rows, at_owner, at_index, top = [], [], [], 0
+        for b, o in enumerate(owners):
+            if o.seq.params.logprobs is not None:
+                n = len(o.drafts) + 1
+                rows += range(o.first_row, o.first_row + n)
+                at_owner += [b] * n
+                at_index += range(n)
+                top = max(top, o.seq.params.logprobs)
+        if not rows:
+            return None
+        index = device_io.to_device([rows, at_owner, at_index], torch.long, self.device)
+        tokens = emitted[index[1], index[2]].clamp(min=0)  # PLACEHOLDER rows: dropped later
+        return sampler.logprob_tensors(logits[index[0]], tokens, top)
 
     def _logprobs(self, owners: list[RowOwner], emitted: list[list[int]],
-                  logits: torch.Tensor) -> list[list | None]:
-        """Per row owner, the logprobs of its emitted tokens (None unless it asked for them)."""
-        rows, tokens, nums = [], [], []
-        for o, toks in zip(owners, emitted):
-            if o.seq.params.logprobs is not None:
-                rows += range(o.first_row, o.first_row + len(toks))
-                tokens += toks
-                nums += [o.seq.params.logprobs] * len(toks)
-        if not rows:
+                  host: list) -> list[list | None]:
+        """Per row owner, the logprobs of its emitted tokens (None unless it asked for them),
+        from the host lists of `_logprob_tensors`."""
+        if host[0] is None:
             return [None] * len(owners)
-        lps = iter(sampler.logprobs_of(logits[rows], torch.tensor(tokens, device=logits.device),
-                                       nums))
-        return [[next(lps) for _ in toks] if o.seq.params.logprobs is not None else None
-                for o, toks in zip(owners, emitted)]
+        chosen, vals, ids = host
+        result: list[list | None] = []
+        at = 0  # the owner's first row in the host lists
+        for o, toks in zip(owners, emitted):
+            n = o.seq.params.logprobs
+            if n is None:
+                result.append(None)
+                continue
+            m = len(toks)
+            result.append(sampler.logprob_entries(chosen[at:at + m], vals[at:at + m],
+                                                  ids[at:at + m], [n] * m))
+            at += len(o.drafts) + 1
+        return result
 
     def _update(self, out: SchedulerOutput, owners: list[RowOwner], emitted: list[list[int]],
                 logprobs: list[list | None]) -> list[Sequence]:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import paged
+from engine.device_io import to_device
 
 
 @dataclass
@@ -135,10 +136,15 @@ class ModelRunner:
             self.kv.meta = None
 
     @torch.inference_mode()
-    def execute(self, items: list[RunItem]) -> StepLogits:
+    def execute(self, items: list[RunItem], input_ids: torch.Tensor | None = None
+                ) -> StepLogits:
+        """input_ids: the step's token ids already on the device ([total new tokens], in item
+        order), e.g. tokens the previous forward sampled; the items' own token ids then only
+        count the tokens."""
         if self.static is not None and self.static.fits(items):
-            logits, row_offsets = self.static.execute(items)
+            logits, row_offsets = self.static.execute(items, input_ids)
             return StepLogits(logits, row_offsets)
+        device_ids = input_ids
         input_ids, positions, slot_mapping, keep, row_offsets = [], [], [], [], [0]
         spans = []
         bs = self.block_size
@@ -151,9 +157,9 @@ class ModelRunner:
             spans.append(paged.SeqSpan(q_start, end - start, end, table))
             keep += range(q_start + end - start - item.num_rows, q_start + end - start)
             row_offsets.append(row_offsets[-1] + item.num_rows)
-        dev = self.device
-        logits = self.forward(torch.tensor([input_ids], device=dev),
-                              torch.tensor([positions], device=dev),
-                              torch.tensor(keep, dtype=torch.long, device=dev),
+        dev, long = self.device, torch.long
+        ids = to_device([input_ids], long, dev) if device_ids is None else device_ids[None]
+        logits = self.forward(ids, to_device([positions], long, dev),
+                              to_device(keep, long, dev),
                               self.kv.backend.build_metadata(spans, slot_mapping, bs, dev))
         return StepLogits(logits[0].float(), row_offsets)

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.device_io import copy_in, to_device
+
 log = logging.getLogger("specserve.engine")
 
 
@@ -125,8 +127,10 @@ class StaticSteps:
             for tokens in range(1, self.tokens_per_seq + 1):
                 self._bucket(size, tokens)
 
-    def execute(self, items) -> tuple[torch.Tensor, list[int]]:
-        """Run `items` in their bucket; returns (logits [rows wanted, V], row offsets)."""
+    def execute(self, items, input_ids: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, list[int]]:
+        """Run `items` in their bucket; returns (logits [rows wanted, V], row offsets).
+        input_ids: the items' token ids on the device (see ModelRunner.execute)."""
         q = max(len(it.token_ids) for it in items)
         b = self._bucket(len(items), q)
         bs, rows = self.runner.block_size, b.seqs * b.tokens
@@ -136,7 +140,7 @@ class StaticSteps:
         q_len = np.zeros(b.seqs, dtype=np.int32)
         ctx = np.zeros(b.seqs, dtype=np.int32)
         tables = np.zeros((b.seqs, self.width), dtype=np.int32)
-        wanted, offsets = [], [0]
+        wanted, offsets, real = [], [0], []
         for i, it in enumerate(items):
             n, lo = len(it.token_ids), i * b.tokens
             p = np.arange(it.start, it.start + n)
@@ -147,11 +151,15 @@ class StaticSteps:
             q_len[i], ctx[i] = n, it.start + n
             tables[i, :len(table)] = table
             wanted += range(lo + n - it.num_rows, lo + n)
+            real += range(lo, lo + n)
             offsets.append(offsets[-1] + it.num_rows)
         m = b.meta
         for dst, src in ((b.input_ids[0], ids), (b.positions[0], pos), (m.slot_mapping, slots),
                          (m.q_len, q_len), (m.ctx_len, ctx), (m.block_tables, tables)):
-            dst.copy_(torch.from_numpy(src), non_blocking=False)
+            copy_in(dst, src)
+        if input_ids is not None:
+            b.input_ids[0].index_copy_(0, to_device(real, torch.long, self.runner.device),
+                                       input_ids)
         if b.graph is not None:
             b.graph.replay()
             logits = b.logits
@@ -159,5 +167,5 @@ class StaticSteps:
         else:
             logits = self._forward(b)
         self.num_static += 1
-        index = torch.tensor(wanted, dtype=torch.long, device=self.runner.device)
+        index = to_device(wanted, torch.long, self.runner.device)
         return logits[0, index].float(), offsets

@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from engine.device_io import to_device
 from engine.errors import InvalidRequestError
 
 _BITS = torch.arange(32, dtype=torch.int32)
@@ -138,7 +139,7 @@ class Grammars:
         if empty.any():
             allowed[empty.nonzero()[:, 0][:, None], torch.tensor(self.eos_token_ids)] = True
         self.mask_seconds += time.perf_counter() - started
-        return allowed.to(device)
+        return to_device(allowed, torch.bool, device)
 
     def _executor(self):
         if self._exec is None:

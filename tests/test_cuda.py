@@ -43,3 +43,42 @@ def test_bf16_greedy_with_speculation_equals_plain_alone_and_batched(method):
         == plain
     assert [eng.generate([p], params)[0].output_token_ids for p in prompts] == plain
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("graphs", ["auto", "off"])
+@pytest.mark.parametrize("method", ["none", "ngram", "draft_model"])
+def test_a_step_synchronizes_only_in_its_one_fetch(method, graphs, monkeypatch):
+    """torch's sync debug mode raises on any synchronizing call (a blocking copy, .item(),
+    .tolist() of a device tensor, ...) outside `device_io.fetch`: the target pass, sampling,
+    verification, logprobs and the draft model's chained forwards synchronize once each."""
+    from engine import device_io
+
+    fetch = device_io.fetch
+
+    def allowed(*tensors):
+        torch.cuda.set_sync_debug_mode("default")
+        try:
+            return fetch(*tensors)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+
+    monkeypatch.setattr(device_io, "fetch", allowed)
+    draft = fresh(seed=1) if method == "draft_model" else None
+    eng = engine(fresh(), method, draft, cuda_graphs=graphs)
+    prompts = random_prompts([5, 40, 17], seed=3)
+    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0.8, top_p=0.9, max_tokens=16, ignore_eos=True),
+              SamplingParams(temperature=0.7, seed=3, max_tokens=16, ignore_eos=True)]
+    for p, sp in zip(prompts, params):
+        eng.add_request(p, sp)
+    eng.step()  # the first step (prefill) may allocate pinned memory and compile kernels
+    torch.cuda.synchronize()
+    steps = 0
+    try:
+        torch.cuda.set_sync_debug_mode("error")
+        while eng.has_unfinished():
+            eng.step()
+            steps += 1
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert steps >= 4

@@ -109,8 +109,10 @@ def test_sampling_follows_the_distribution():
 
 def test_logprobs_are_raw_model_logprobs():
     logits = torch.tensor([[2.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
-    res = sampler.logprobs_of(logits, torch.tensor([1, 2]), [2, None])
+    chosen, vals, ids = sampler.logprob_tensors(logits, torch.tensor([1, 2]), 2)
+    res = sampler.logprob_entries(chosen.tolist(), vals.tolist(), ids.tolist(), [2, 1])
     chosen, top = res[0]
     assert math.isclose(chosen, torch.log_softmax(logits[0], -1)[1].item(), abs_tol=1e-6)
     assert [tok for tok, _ in top] == [0, 1]
-    assert res[1] is None
+    assert math.isclose(top[0][1], torch.log_softmax(logits[0], -1)[0].item(), abs_tol=1e-6)
+    assert len(res[1][1]) == 1 and math.isclose(res[1][0], -math.log(3), abs_tol=1e-6)

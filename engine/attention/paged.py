@@ -20,8 +20,11 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+
+from engine.device_io import to_device
 
 ATTN_IMPLEMENTATION = "specserve_paged"
 # Sequences with at most this many new tokens (decode, verification of 1 + k) are batched
@@ -54,7 +57,8 @@ class AttentionMetadata:
     short_q_index: torch.Tensor | None = None  # [B, q_max] rows of the flattened batch (padded)
     short_kv_slots: torch.Tensor | None = None  # [B, kv_max] cache slots (padded with 0)
     short_mask: torch.Tensor | None = None  # [B, 1, q_max, kv_max] bool, True = attend
-    short_valid: torch.Tensor | None = None  # [B, q_max] bool, False on padding
+    short_out: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows of the flattened batch,
+    #   their places in the flattened [B * q_max] group output): the real, unpadded rows
     long_spans: list[LongSpan] = field(default_factory=list)
 
 
@@ -101,8 +105,7 @@ class SDPABackend(AttentionBackend):
         return -(-n // m) * m
 
     def build_metadata(self, spans, slot_mapping, block_size, device):
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device))
+        meta = AttentionMetadata(slot_mapping=to_device(slot_mapping, torch.long, device))
         short = [s for s in spans if s.q_len <= SHORT_QUERY_MAX]
         for s in spans:
             if s.q_len > SHORT_QUERY_MAX:
@@ -126,11 +129,12 @@ class SDPABackend(AttentionBackend):
                      device: torch.device) -> None:
         q_max = self._rows(max(s.q_len for s in short))
         kv_max = self._keys(max(s.ctx_len for s in short))
-        q_start = torch.tensor([s.q_start for s in short], device=device)  # [B]
-        q_len = torch.tensor([s.q_len for s in short], device=device)  # [B]
-        ctx_len = torch.tensor([s.ctx_len for s in short], device=device)  # [B]
+        per_seq = to_device([(s.q_start, s.q_len, s.ctx_len) for s in short], torch.long, device)
+        q_start, q_len, ctx_len = per_seq[:, 0], per_seq[:, 1], per_seq[:, 2]  # [B] each
         offs = torch.arange(q_max, device=device)[None, :]  # [1, q_max]
-        valid = offs < q_len[:, None]  # [B, q_max]
+        rows = np.concatenate([s.q_start + np.arange(s.q_len) for s in short])
+        places = np.concatenate([i * q_max + np.arange(s.q_len) for i, s in enumerate(short)])
+        real = to_device(np.stack([rows, places]), torch.long, device)
         offs = torch.minimum(offs, q_len[:, None] - 1)  # padding repeats the last query
         q_pos = ctx_len[:, None] - q_len[:, None] + offs  # [B, q_max] absolute positions
         k_pos = torch.arange(kv_max, device=device)  # [kv_max]
@@ -139,7 +143,7 @@ class SDPABackend(AttentionBackend):
         meta.short_kv_slots = _slots(tables, block_size)[:, :kv_max]
         # causal, and hides padding keys: a key at k_pos >= ctx_len is after every query
         meta.short_mask = (k_pos[None, None, :] <= q_pos[:, :, None])[:, None, :, :]
-        meta.short_valid = valid
+        meta.short_out = (real[0], real[1])
 
     def forward(self, query, key, value, k_cache, v_cache, meta, scaling):
         # query: [1, heads, num_tokens, head_dim]; key/value: [1, kv_heads, num_tokens, head_dim]
@@ -152,8 +156,9 @@ class SDPABackend(AttentionBackend):
             vs = v_cache[meta.short_kv_slots].transpose(1, 2)
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=meta.short_mask,
                                                scale=scaling, enable_gqa=True)
-            o = o.transpose(1, 2)  # [B, q_max, heads, head_dim]
-            out[meta.short_q_index[meta.short_valid]] = o[meta.short_valid]
+            o = o.transpose(1, 2).flatten(0, 1)  # [B * q_max, heads, head_dim]
+            rows, places = meta.short_out
+            out[rows] = o[places]
         for span in meta.long_spans:
             rows = span.q_index[:span.q_len]
             if span.kv_slots is None:  # rows are contiguous: the span's new K/V
@@ -175,8 +180,11 @@ def _padded_tables(spans: list[SeqSpan], num_keys: int, block_size: int,
                    device: torch.device) -> torch.Tensor:
     """[B, blocks covering num_keys] block tables, padded with block 0 (keys a mask hides)."""
     n = -(-num_keys // block_size)
-    return torch.tensor([s.block_table[:n] + [0] * (n - len(s.block_table[:n])) for s in spans],
-                        device=device)
+    tables = np.zeros((len(spans), n), dtype=np.int64)
+    for i, s in enumerate(spans):
+        used = s.block_table[:n]
+        tables[i, :len(used)] = used
+    return to_device(tables, torch.long, device)
 
 
 def _slots(block_tables: torch.Tensor, block_size: int) -> torch.Tensor:

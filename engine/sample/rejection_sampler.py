@@ -26,8 +26,10 @@ generators (`keys.noise_key`), so its tokens do not depend on the rest of the ba
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from engine.device_io import to_device
 from engine.sample.keys import ACCEPT, restream
 from engine.sample.sampler import exponential_noise, keyed_uniform
 
@@ -54,7 +56,8 @@ def rejection_sample(
     """
     device = target_probs.device
     batch, max_k = len(num_draft_tokens), max(num_draft_tokens, default=0)
-    k = torch.tensor(num_draft_tokens, device=device)  # [B]
+    per_seq = to_device([num_draft_tokens, by_pick], torch.long, device)
+    k, is_pick = per_seq[0], per_seq[1].bool()  # [B] each
     draft_start = torch.cumsum(k, 0) - k  # [B] offset of each sequence's drafts
     target_start = draft_start + torch.arange(batch, device=device)  # [B] its first target row
     pos = torch.arange(max_k, device=device)[None, :]  # [1, K]
@@ -62,7 +65,6 @@ def rejection_sample(
     drafts = draft_token_ids[d_idx] if max_k else torch.zeros((batch, 0), dtype=torch.long,
                                                                device=device)  # [B, K]
     t_rows = (target_start[:, None] + pos).clamp(max=target_probs.shape[0] - 1)  # [B, K]
-    is_pick = torch.tensor(by_pick, dtype=torch.bool, device=device)  # [B]
     picks = target_probs.argmax(dim=-1) if picks is None else picks  # [num rows]
 
     if max_k:
@@ -88,9 +90,8 @@ def rejection_sample(
         rejected_draft = drafts.gather(1, at) if max_k else at  # [B, 1]
         q_row = None if draft_probs is None else draft_probs[d_idx.gather(1, at)[:, 0]]  # [B, V]
         dist = _recovered_or_bonus(dist.float(), num_accepted < k, rejected_draft, q_row)
-        noise = exponential_noise(tuple(dist.shape),
-                                  _final_keys(by_pick, noise_keys, num_accepted), device,
-                                  default_generator)
+        noise = _final_noise(tuple(dist.shape), num_draft_tokens, by_pick, noise_keys,
+                             num_accepted, default_generator)
         final = torch.where(is_pick, final, (dist / noise).argmax(dim=-1))
 
     out = torch.full((batch, max_k + 1), PLACEHOLDER, dtype=torch.long, device=device)
@@ -109,8 +110,6 @@ def _recovered_or_bonus(p: torch.Tensor, rejected: torch.Tensor, rejected_draft:
     p: [B, V] target probabilities at the final row; rejected_draft: [B, 1] the rejected draft
     token; q: [B, V] its draft probabilities, or None for one-hot drafts.
     """
-    if not bool(rejected.any()):
-        return p
     if q is None:
         residual = p.scatter(1, rejected_draft, 0.0)  # q one-hot on the draft
     else:
@@ -131,16 +130,29 @@ def _uniforms(shape: tuple[int, int], num_draft_tokens: list[int], by_pick: list
     return uniform
 
 
-def _final_keys(by_pick: list[bool], noise_keys: list[list[int] | None],
-                num_accepted: torch.Tensor) -> list[int | None]:
-    """The noise key of each seeded sequence's final position (None: the default stream)."""
-    if not any(keys is not None and not pick for keys, pick in zip(noise_keys, by_pick)):
-        return [None] * len(by_pick)
-    accepted = num_accepted.tolist()
-    return [keys[n] if keys is not None and not pick else None
-            for keys, pick, n in zip(noise_keys, by_pick, accepted)]
+def _final_noise(shape: tuple[int, int], num_draft_tokens: list[int], by_pick: list[bool],
+                 noise_keys: list[list[int] | None], num_accepted: torch.Tensor,
+                 default: torch.Generator | None) -> torch.Tensor:
+    """[B, V] the exponential noise of each sequence's final draw. A seeded sequence's is keyed
+    by the position it lands on, which depends on how many drafts were accepted: the noise of
+    each of its k + 1 candidate positions is drawn and the accepted count picks one on the
+    device (the host never reads the count)."""
+    device = num_accepted.device
+    noise = torch.empty(shape, dtype=torch.float32, device=device)
+    keyed = [i for i, (keys, pick) in enumerate(zip(noise_keys, by_pick))
+             if keys is not None and not pick]
+    if len(keyed) < len(by_pick):
+        noise.exponential_(generator=default)
+    if keyed:
+        candidates = [key for i in keyed for key in noise_keys[i][:num_draft_tokens[i] + 1]]
+        drawn = exponential_noise((len(candidates), shape[1]), candidates, device, None)
+        first = np.cumsum([0] + [num_draft_tokens[i] + 1 for i in keyed[:-1]])
+        index = to_device([keyed, first], torch.long, device)
+        noise[index[0]] = drawn[index[1] + num_accepted[index[0]]]
+    return noise
 
 
-def to_lists(emitted: torch.Tensor) -> list[list[int]]:
-    """[B, max_k + 1] padded -> emitted tokens per sequence."""
-    return [[t for t in row if t != PLACEHOLDER] for row in emitted.tolist()]
+def to_lists(emitted: torch.Tensor | list[list[int]]) -> list[list[int]]:
+    """[B, max_k + 1] padded (a host tensor or its rows) -> emitted tokens per sequence."""
+    rows = emitted.tolist() if isinstance(emitted, torch.Tensor) else emitted
+    return [[t for t in row if t != PLACEHOLDER] for row in rows]

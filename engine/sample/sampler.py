@@ -19,8 +19,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
+from engine.device_io import to_device
 from engine.sampling_params import SamplingParams
 
 
@@ -56,7 +58,8 @@ class SamplingTensors:
     repetition: torch.Tensor | None  # [R, 1]
     output_counts: torch.Tensor | None  # [R, V] float counts of generated tokens
     seen: torch.Tensor | None  # [R, V] bool: token in prompt or output
-    logit_bias: list[tuple[int, list[int], list[float]]]  # (row, token ids, biases)
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (rows, token ids,
+    #                                                                      biases), flat
     noise_keys: list[int | None]  # [R]
     greedy_rows: list[bool]  # [R], as `greedy`
     all_greedy: bool
@@ -68,25 +71,27 @@ def build_sampling_tensors(rows: list[RowSpec], vocab_size: int, device: torch.d
                            allowed: tuple[list[int], torch.Tensor] | None = None
                            ) -> SamplingTensors:
     """`allowed`: the grammar masks of the constrained rows when already computed (row
-    indices, [G, V] bool); otherwise they are computed here from each row's `grammar`."""
+    indices, [G, V] bool); otherwise they are computed here from each row's `grammar`.
+
+    Everything is gathered on the host first and reaches the device in a few copies that do
+    not block (engine/device_io.py): no per-row loop launches work on the device."""
     params = [r.params for r in rows]
     greedy = [p.greedy for p in params]
-    f32 = dict(dtype=torch.float32, device=device)
     any_top_k = any(p.top_k > 0 and not g for p, g in zip(params, greedy))
     any_top_p = any(p.top_p < 1.0 and not g for p, g in zip(params, greedy))
     any_min_p = any(p.min_p > 0.0 and not g for p, g in zip(params, greedy))
+    # one float copy for every per-row float setting: temperature, top-p, min-p, greedy
+    floats = to_device([[1.0 if g else p.temperature for p, g in zip(params, greedy)],
+                        [p.top_p for p in params], [p.min_p for p in params], greedy],
+                       torch.float32, device)
     t = SamplingTensors(
-        temperature=torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)],
-                                 **f32),
-        greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
-        top_k=torch.tensor([min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size
-                           for p in params],
-                           dtype=torch.long, device=device) if any_top_k else None,
-        top_p=torch.tensor([p.top_p for p in params], **f32) if any_top_p else None,
-        min_p=torch.tensor([p.min_p for p in params], **f32) if any_min_p else None,
+        temperature=floats[0], greedy=floats[3].bool(),
+        top_k=to_device([min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size
+                         for p in params], torch.long, device) if any_top_k else None,
+        top_p=floats[1] if any_top_p else None,
+        min_p=floats[2] if any_min_p else None,
         presence=None, frequency=None, repetition=None, output_counts=None, seen=None,
-        logit_bias=[(i, list(p.logit_bias), list(p.logit_bias.values()))
-                    for i, p in enumerate(params) if p.logit_bias],
+        logit_bias=_logit_bias(params, device),
         noise_keys=[r.noise_key for r in rows],
         greedy_rows=greedy,
         all_greedy=all(greedy),
@@ -94,31 +99,50 @@ def build_sampling_tensors(rows: list[RowSpec], vocab_size: int, device: torch.d
     if any(p.has_penalties for p in params):
         _add_penalties(t, rows, vocab_size, device)
     if allowed is not None:
-        t.grammar_rows, t.allowed = torch.tensor(allowed[0], device=device), allowed[1]
+        t.grammar_rows, t.allowed = to_device(allowed[0], torch.long, device), allowed[1]
         return t
     constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
     if constrained:
         grammars = rows[constrained[0]].grammar.grammars
-        t.grammar_rows = torch.tensor(constrained, device=device)
+        t.grammar_rows = to_device(constrained, torch.long, device)
         t.allowed = grammars.allowed([(rows[i].grammar.matcher, rows[i].grammar.pending)
                                       for i in constrained], device)
     return t
 
 
+def _logit_bias(params: list[SamplingParams], device: torch.device
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Every row's logit bias as flat (rows, token ids, biases), or None."""
+    entries = [(i, token, bias) for i, p in enumerate(params) if p.logit_bias
+               for token, bias in p.logit_bias.items()]
+    if not entries:
+        return None
+    rows, tokens, biases = zip(*entries)
+    index = to_device([rows, tokens], torch.long, device)
+    return index[0], index[1], to_device(biases, torch.float32, device)
+
+
 def _add_penalties(t: SamplingTensors, rows: list[RowSpec], vocab_size: int,
                    device: torch.device) -> None:
     f32 = dict(dtype=torch.float32, device=device)
-    t.presence = torch.tensor([[r.params.presence_penalty] for r in rows], **f32)
-    t.frequency = torch.tensor([[r.params.frequency_penalty] for r in rows], **f32)
-    t.repetition = torch.tensor([[r.params.repetition_penalty] for r in rows], **f32)
+    settings = to_device([[r.params.presence_penalty, r.params.frequency_penalty,
+                           r.params.repetition_penalty] for r in rows], torch.float32, device)
+    t.presence, t.frequency, t.repetition = (settings[:, i:i + 1] for i in range(3))
+    # every row's generated tokens and seen tokens (prompt + output) as flat (row, token) pairs
+    out_rows = np.repeat(np.arange(len(rows)), [len(r.output_token_ids) for r in rows])
+    out_tokens = np.fromiter((x for r in rows for x in r.output_token_ids), dtype=np.int64,
+                             count=len(out_rows))
+    seen_rows = np.repeat(np.arange(len(rows)), [len(r.prompt_token_ids) for r in rows])
+    seen_tokens = np.fromiter((x for r in rows for x in r.prompt_token_ids), dtype=np.int64,
+                              count=len(seen_rows))
+    pairs = to_device(np.stack([np.concatenate([out_rows, seen_rows]),
+                                np.concatenate([out_tokens, seen_tokens])]), torch.long, device)
+    n = len(out_rows)
     t.output_counts = torch.zeros(len(rows), vocab_size, **f32)
-    t.seen = torch.zeros(len(rows), vocab_size, dtype=torch.bool, device=device)
-    for i, r in enumerate(rows):
-        out = torch.tensor(r.output_token_ids, dtype=torch.long, device=device)
-        t.output_counts[i].index_add_(0, out, torch.ones(len(out), **f32))
-        seen = torch.tensor(r.prompt_token_ids + r.output_token_ids, dtype=torch.long,
-                            device=device)
-        t.seen[i, seen] = True
+    t.output_counts.index_put_((pairs[0, :n], pairs[1, :n]), torch.ones(n, **f32),
+                               accumulate=True)
+    t.seen = t.output_counts > 0
+    t.seen[pairs[0, n:], pairs[1, n:]] = True
 
 
 def process_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
@@ -131,8 +155,9 @@ def process_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     logits = logits.clone()
     if t.allowed is not None:
         logits[t.grammar_rows] = logits[t.grammar_rows].masked_fill(~t.allowed, float("-inf"))
-    for row, token_ids, biases in t.logit_bias:
-        logits[row, token_ids] += torch.tensor(biases, dtype=logits.dtype, device=logits.device)
+    if t.logit_bias is not None:
+        rows, token_ids, biases = t.logit_bias
+        logits.index_put_((rows, token_ids), biases.to(logits.dtype), accumulate=True)
     if t.output_counts is not None:
         # HF repetition penalty over prompt + output: shrink positive logits, grow negative ones.
         penalized = torch.where(logits > 0, logits / t.repetition, logits * t.repetition)
@@ -215,25 +240,27 @@ def sample(processed: torch.Tensor, t: SamplingTensors,
     sampled_ids = (probs / noise).argmax(dim=-1)
     if len(rows) == len(race):
         return sampled_ids
-    return greedy_ids.index_copy(0, torch.tensor(rows, device=processed.device), sampled_ids)
+    return greedy_ids.index_copy(0, to_device(rows, torch.long, processed.device), sampled_ids)
 
 
-def logprobs_of(raw_logits: torch.Tensor, token_ids: torch.Tensor, num_top: list[int | None]
-                ) -> list[tuple[float, list[tuple[int, float]]] | None]:
-    """Log-probabilities of the model (before processing) for the chosen tokens, plus the top N.
+def logprob_tensors(raw_logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Log-probabilities of the model (before processing) on the device: of the chosen tokens
+    ([R]) and the top `num_top` ([R, num_top] values and ids) of each row.
 
-    raw_logits: [R, V]; token_ids: [R]; num_top[i] None means row i wants none.
-    """
-    wanted = [i for i, n in enumerate(num_top) if n is not None]
-    result: list[tuple[float, list[tuple[int, float]]] | None] = [None] * len(num_top)
-    if not wanted:
-        return result
-    rows = torch.tensor(wanted, device=raw_logits.device)
-    logp = torch.log_softmax(raw_logits[rows].float(), dim=-1)  # [W, V]
-    chosen = logp.gather(1, token_ids[rows][:, None])[:, 0].tolist()
-    k = max(num_top[i] for i in wanted)
-    top_vals, top_ids = logp.topk(k, dim=-1) if k > 0 else (logp[:, :0], logp[:, :0].long())
-    for j, i in enumerate(wanted):
-        n = num_top[i]
-        result[i] = (chosen[j], list(zip(top_ids[j, :n].tolist(), top_vals[j, :n].tolist())))
-    return result
+    raw_logits: [R, V]; token_ids: [R]. The host reads them with the step's results."""
+    logp = torch.log_softmax(raw_logits.float(), dim=-1)  # [R, V]
+    chosen = logp.gather(1, token_ids[:, None])[:, 0]
+    if num_top > 0:
+        top_vals, top_ids = logp.topk(num_top, dim=-1)
+    else:
+        top_vals, top_ids = logp[:, :0], logp[:, :0].long()
+    return chosen, top_vals, top_ids
+
+
+def logprob_entries(chosen: list[float], top_vals: list[list[float]], top_ids: list[list[int]],
+                    num_top: list[int]) -> list[tuple[float, list[tuple[int, float]]]]:
+    """Host lists from `logprob_tensors` -> per row (logprob, [(token id, logprob)] of its
+    top num_top[row])."""
+    return [(c, list(zip(ids[:n], vals[:n])))
+            for c, vals, ids, n in zip(chosen, top_vals, top_ids, num_top)]

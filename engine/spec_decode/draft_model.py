@@ -13,15 +13,24 @@ distribution (the same `process_logits` settings the verifier applies to the tar
 sequence stops drafting early when q gave the token it just drafted less than
 `stop_confidence`: such a token is likely rejected, and drafting past it is likely wasted. The
 draft length then depends on the draft alone, so the verifier stays exact.
+
+Reads (`defer_reads`, on by default on CUDA): the k forwards are chained on the device (each
+forward's input is the previous one's sampled tokens, never read by the host) and all drafts
+are read in ONE transfer at the end; the confidence stop is then applied to the drafts after
+the fact (same drafts, but every sequence runs its k forwards). Rows under a grammar or with
+penalties need each draft on the host, so a call with such rows reads every forward's tokens,
+as the CPU does by default (a read is free there, and stopping early skips forwards).
 """
 
 from __future__ import annotations
 
-import time
+from dataclasses import dataclass
 
 import torch
 
+from engine import device_io
 from engine.block_manager import BlockManager
+from engine.device_io import Marks, to_device
 from engine.model_runner import ModelRunner, ModelShape, RunItem
 from engine.sample import sampler
 from engine.sequence import Sequence
@@ -44,7 +53,11 @@ class DraftModelProposer(Proposer):
                  block_manager: BlockManager, target_vocab_size: int,
                  tokenizer_size: int | None = None, seed: int = 0,
                  cpu_matmul_autotune: bool = False, stop_confidence: float = 0.0,
-                 attention_backend: str = "auto", coupled: bool = True) -> None:
+                 attention_backend: str = "auto", coupled: bool = True,
+                 defer_reads: bool | None = None) -> None:
+        """defer_reads: chain the k draft forwards on the device and read their tokens once at
+        the end (None: on CUDA, where each read waits for the device; on the CPU a read costs
+        nothing and reading each token lets the confidence stop skip forwards)."""
         draft_vocab = ModelShape.of(model).vocab_size
         check_vocab(draft_vocab, target_vocab_size, tokenizer_size)
         self.runner = ModelRunner(model, num_blocks, block_size,
@@ -55,6 +68,7 @@ class DraftModelProposer(Proposer):
         self.valid_vocab = min(draft_vocab, target_vocab_size, tokenizer_size or draft_vocab)
         self.device = self.runner.device
         self.stop_confidence = stop_confidence
+        self.defer_reads = self.device.type == "cuda" if defer_reads is None else defer_reads
         self.coupled = coupled  # seeded requests are verified by the target's keyed pick
         # unseeded requests draft from the engine seed's stream, apart from the verifier's;
         # seeded ones with the noise key their rows carry
@@ -79,39 +93,82 @@ class DraftModelProposer(Proposer):
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], ks: list[int], rows) -> Proposal:
         ks = [self._reserve(s, k) for s, k in zip(seqs, ks)]
-        drafts: list[list[int]] = [[] for _ in seqs]
-        probs: list[list[torch.Tensor]] = [[] for _ in seqs]
-        forward_seconds: list[tuple[int, int, float]] = []
         active = [i for i, k in enumerate(ks) if k > 0]
+        specs = [rows(i, []) for i in active]
+        # rows under a grammar or with penalties need each draft on the host before the next
+        defer = self.defer_reads and not any(r.grammar is not None or r.params.has_penalties
+                                             for r in specs)
+        known: list[list[int]] = [[] for _ in seqs]  # drafts read so far (not deferred)
+        marks = Marks(self.device)
+        forwards: list[_Forward] = []
         # first forward: catch up on committed tokens, then one new token per step
         items = [RunItem(seqs[i].token_ids[seqs[i].num_draft_computed:],
                          seqs[i].num_draft_computed, seqs[i].block_table, 1) for i in active]
-        step = 0
+        ids = None  # the previous forward's tokens, on the device (deferred)
         while active:
-            t0 = time.perf_counter()
-            row_specs = [rows(i, drafts[i]) for i in active]
-            tokens, q, confident = self._draft_token(items, row_specs,
-                                                     any(ks[i] > step + 1 for i in active))
-            num_tokens = sum(len(item.token_ids) for item in items)
-            forward_seconds.append((num_tokens, len(items), time.perf_counter() - t0))
+            step = len(forwards)
+            if step:
+                specs = [rows(i, [0] * step if defer else known[i]) for i in active]
+            start = marks.mark()
+            logits = self._to_target_vocab(self.runner.execute(items, ids).logits)  # [n, V]
+            sampled, q, confident = self._draft_token(
+                logits, specs, any(ks[i] > step + 1 for i in active))
+            forward = _Forward(active, sampled, q, confident,
+                               sum(len(item.token_ids) for item in items), start, marks.mark())
+            forwards.append(forward)
             step += 1
-            for j, i in enumerate(active):
-                drafts[i].append(tokens[j])
-                if q is not None:
-                    probs[i].append(q[j])
-                seqs[i].num_draft_computed = seqs[i].num_tokens + step - 1
-            active = [i for j, i in enumerate(active) if ks[i] > step and confident[j]]
-            items = [RunItem([drafts[i][-1]], seqs[i].num_tokens + step - 1, seqs[i].block_table, 1)
+            if defer:  # the stop is applied after the fact: every sequence drafts its k
+                go_on = [j for j, i in enumerate(active) if ks[i] > step]
+                ids = sampled if len(go_on) == len(active) else sampled[
+                    to_device(go_on, torch.long, self.device)]
+            else:
+                tokens, sure = forward.host = device_io.lists(sampled, confident)
+                for j, i in enumerate(active):
+                    known[i].append(tokens[j])
+                go_on = [j for j, i in enumerate(active)
+                         if ks[i] > step and (sure is None or sure[j])]
+            active = [active[j] for j in go_on]
+            items = [RunItem([known[i][-1]] if not defer else [0],
+                             seqs[i].num_tokens + step - 1, seqs[i].block_table, 1)
                      for i in active]
-        return Proposal(drafts, [torch.stack(p) if len(p) == len(d) and p else None
-                                 for p, d in zip(probs, drafts)], forward_seconds)
+        return self._proposal(seqs, forwards, marks)
 
-    def _draft_token(self, items: list[RunItem], row_specs: list[sampler.RowSpec],
-                     more_wanted: bool) -> tuple[list[int], torch.Tensor | None, list[bool]]:
-        """One draft forward: the next draft token per item, q ([n, V], None when every row is
-        greedy: greedy verification compares tokens) and whether each row may go on drafting
-        (the confidence stop, checked only when `more_wanted`)."""
-        logits = self._to_target_vocab(self.runner.execute(items).logits)  # [n, V]
+    def _proposal(self, seqs: list[Sequence], forwards: list["_Forward"],
+                  marks: Marks) -> Proposal:
+        """The drafts of `forwards` read in ONE transfer, each cut after its first token the
+        draft was unsure of (that token is kept); each sequence's draft KV then covers its
+        committed tokens and every kept draft but the last."""
+        pending = [f for f in forwards if f.host is None]
+        fetched = iter(device_io.lists(*(t for f in pending for t in (f.sampled, f.confident)))
+                       if pending else ())
+        for f in pending:
+            f.host = next(fetched), next(fetched)
+        drafts: list[list[int]] = [[] for _ in seqs]
+        probs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        stopped = [False] * len(seqs)
+        for f in forwards:
+            tokens, sure = f.host
+            for j, i in enumerate(f.active):
+                if stopped[i]:
+                    continue
+                drafts[i].append(tokens[j])
+                if f.q is not None:
+                    probs[i].append(f.q[j])
+                stopped[i] = sure is not None and not sure[j]
+        for seq, d in zip(seqs, drafts):
+            if d:
+                seq.num_draft_computed = seq.num_tokens + len(d) - 1
+        return Proposal(drafts, [torch.stack(p) if len(p) == len(d) and p else None
+                                 for p, d in zip(probs, drafts)],
+                        [(f.num_tokens, len(f.active), marks.seconds(f.start, f.end))
+                         for f in forwards])
+
+    def _draft_token(self, logits: torch.Tensor, row_specs: list[sampler.RowSpec],
+                     more_wanted: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """From one draft forward's logits ([n, V]), on the device: the next draft token per
+        row, q ([n, V], None when no row needs it) and whether each row may go on drafting (the
+        confidence stop; None when off or not `more_wanted`)."""
         tensors = sampler.build_sampling_tensors(row_specs, self.target_vocab_size, self.device)
         processed = sampler.process_logits(logits, tensors)
         sampled = sampler.sample(processed, tensors, self.generator)
@@ -120,9 +177,23 @@ class DraftModelProposer(Proposer):
         need_q = any(not (r.params.greedy or (self.coupled and r.params.seed is not None))
                      for r in row_specs)
         q = torch.softmax(processed, dim=-1) if need_q else None
-        confident = [True] * len(items)
+        confident = None
         if self.stop_confidence > 0.0 and more_wanted:
             chosen = processed.gather(1, sampled[:, None]).squeeze(1)
             conf = torch.exp(chosen - torch.logsumexp(processed, dim=-1))
-            confident = (conf >= self.stop_confidence).tolist()
-        return sampled.tolist(), q, confident
+            confident = conf >= self.stop_confidence
+        return sampled, q, confident
+
+
+@dataclass
+class _Forward:
+    """One draft forward of `propose`, its results still on the device."""
+
+    active: list[int]  # the sequences (indices into propose's seqs) it drafted for, in row order
+    sampled: torch.Tensor  # [n] the token drafted for each
+    q: torch.Tensor | None  # [n, V] their draft probabilities, when needed
+    confident: torch.Tensor | None  # [n] bool: the draft may go on after this token
+    num_tokens: int  # tokens the forward ran
+    start: object  # device_io.Marks of its start and end
+    end: object
+    host: tuple[list[int], list[bool] | None] | None = None  # (sampled, confident), once read
