@@ -99,6 +99,9 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: int | None = None  # None: sized from kv_cache_memory_gb
     kv_cache_memory_gb: float = 2.0
+    # CUDA: the engine plans at most this fraction of the device's memory; the KV pool gets
+    # kv_cache_memory_gb or what is left after weights, the largest step and the CUDA graphs
+    gpu_memory_utilization: float = 0.9
     max_num_batched_tokens: int = 2048  # token budget of one step
     max_num_seqs: int = 64
     max_model_len: int | None = None  # None: the model's, capped by what the pool can hold
@@ -138,6 +141,8 @@ class EngineConfig:
             raise ValueError("invalid engine config num_blocks: must be >= 1")
         if self.kv_cache_memory_gb <= 0:
             raise ValueError("invalid engine config kv_cache_memory_gb: must be > 0")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("invalid engine config gpu_memory_utilization: must be in (0, 1]")
         if self.quantization not in QUANTIZATION_MODES:
             raise ValueError(f"invalid engine config quantization: {self.quantization!r}; "
                              f"use one of {QUANTIZATION_MODES}")

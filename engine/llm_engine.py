@@ -19,11 +19,12 @@ from typing import NamedTuple
 
 import torch
 
-from engine import device_io
+from engine import device_io, memory_plan
 from engine.attention.paged import PagedKVCache
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
+from engine.memory_plan import GiB
 from engine.model_runner import ModelRunner, ModelShape, RunItem, StepLogits
 from engine.models.draft import draft_source, load_draft, prepare_draft
 from engine.models.loader import load_model, resolve_model_path
@@ -91,10 +92,16 @@ class LLMEngine:
         draft_model = self._draft_model(model, draft_model)
         models = [model] + ([draft_model] if draft_model is not None else [])
         num_blocks = config.num_blocks or self._blocks_for_memory(models)
-        self.runner = ModelRunner(model, num_blocks, config.block_size,
+        # on CUDA the pool is sized after measuring forwards on a small one (memory_plan.py)
+        plan = config.num_blocks is None and next(model.parameters()).device.type == "cuda"
+        self.runner = ModelRunner(model, self._profile_blocks() if plan else num_blocks,
+                                  config.block_size,
                                   cpu_matmul_autotune=config.cpu_matmul_autotune,
                                   batch_invariant=config.batch_invariant,
                                   attention_backend=config.attention_backend)
+        if plan:
+            num_blocks = self._plan_memory(models)
+            self.runner.resize_kv(num_blocks)
         self.vocab_size = self.runner.shape.vocab_size
         self.block_manager = BlockManager(num_blocks, config.block_size,
                                           config.enable_prefix_caching)
@@ -148,15 +155,53 @@ class LLMEngine:
                              draft_source(speculative, self.config.model_cache_dir)
                              if owned else None)
 
-    def _blocks_for_memory(self, models: list[torch.nn.Module]) -> int:
-        """Blocks that fit kv_cache_memory_gb; a draft model's KV shares the same block ids."""
+    def _bytes_per_block(self, models: list[torch.nn.Module]) -> int:
+        """KV bytes of one block id: a draft model's KV shares the same block ids."""
         per_block = 0
         for model in models:
             shape = ModelShape.of(model)
             per_block += PagedKVCache.bytes_per_block(shape.num_layers, self.config.block_size,
                                                       shape.num_kv_heads, shape.head_dim,
                                                       model.get_input_embeddings().weight.dtype)
-        return max(1, int(self.config.kv_cache_memory_gb * (1 << 30) // per_block))
+        return per_block
+
+    def _blocks_for_memory(self, models: list[torch.nn.Module]) -> int:
+        """Blocks that fit kv_cache_memory_gb."""
+        return max(1, int(self.config.kv_cache_memory_gb * GiB // self._bytes_per_block(models)))
+
+    def _static_tokens(self) -> int:
+        """Tokens per sequence of the largest static bucket: 1 + k_max."""
+        spec = self.config.speculative
+        return 1 + (spec.k_max if spec.enabled else 0)
+
+    def _profile_blocks(self) -> int:
+        """A pool just large enough for the forwards `_plan_memory` measures."""
+        tokens = max(self.config.max_num_batched_tokens, self._static_tokens())
+        return -(-tokens // self.config.block_size) + 1
+
+    def _plan_memory(self, models: list[torch.nn.Module]) -> int:
+        """CUDA: the pool's blocks once weights, the largest step and the CUDA graphs are
+        accounted (engine/memory_plan.py)."""
+        cfg, runner, device = self.config, self.runner, self.runner.device
+        tokens = self._static_tokens()
+        captured = cfg.cuda_graphs == "auto" and runner.attention_backend == "triton"
+        sizes = tuple(cfg.cuda_graph_batch_sizes) if captured else ()
+        chunk_peak, bucket_peak = memory_plan.measure_step_peak(
+            runner, cfg.max_num_batched_tokens, max(sizes, default=cfg.max_num_seqs), tokens,
+            list(range(runner.kv.num_blocks)))
+        graphs = sum(memory_plan.graph_output_bytes(
+            sizes, tokens, ModelShape.of(m).vocab_size,
+            m.get_input_embeddings().weight.element_size()) for m in models)
+        graphs += bucket_peak * len(models) if captured else 0  # each runner's graph pool
+        free, total = torch.cuda.mem_get_info(device)
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        profile_kv = runner.kv.num_blocks * self._bytes_per_block([models[0]])
+        in_use = total - free - cached - profile_kv
+        plan = memory_plan.plan_kv_bytes(int(cfg.kv_cache_memory_gb * GiB), total, in_use,
+                                         cfg.gpu_memory_utilization,
+                                         max(chunk_peak, bucket_peak), graphs)
+        log.info("memory plan: %s", plan.describe())
+        return max(1, plan.kv_bytes // self._bytes_per_block(models))
 
     def _static_steps(self, runner: ModelRunner) -> None:
         """Padded static steps (captured as CUDA graphs) for `runner`, as `cuda_graphs` says."""

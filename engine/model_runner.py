@@ -102,14 +102,25 @@ class ModelRunner:
         self.dtype = model.get_input_embeddings().weight.dtype  # also for quantized linears
         self.shape = ModelShape.of(model)
         self.block_size = block_size
-        self.kv = paged.PagedKVCache(self.shape.num_layers, num_blocks, block_size,
-                                     self.shape.num_kv_heads, self.shape.head_dim, self.dtype,
-                                     self.device, backend)
+        self.kv = self._kv(num_blocks, backend)
         params = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         # A prepared 4-D mask makes transformers skip building its own; ours reads block tables.
         self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
         self.static = None  # padded static-buffer steps (and CUDA graphs), when enabled
+
+    def _kv(self, num_blocks: int, backend: paged.AttentionBackend) -> paged.PagedKVCache:
+        return paged.PagedKVCache(self.shape.num_layers, num_blocks, self.block_size,
+                                  self.shape.num_kv_heads, self.shape.head_dim, self.dtype,
+                                  self.device, backend)
+
+    def resize_kv(self, num_blocks: int) -> None:
+        """Replace the KV tensors by a pool of `num_blocks` (before any sequence uses them:
+        the engine sizes the pool after measuring a few forwards on a small one)."""
+        backend, self.kv = self.kv.backend, None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.kv = self._kv(num_blocks, backend)
 
     def enable_static_steps(self, batch_sizes: tuple[int, ...], tokens_per_seq: int,
                             max_model_len: int, capture: bool) -> None:

@@ -65,6 +65,7 @@ ENV = {
     "MODEL": ("engine", "model", str), "DEVICE": ("engine", "device", str),
     "DTYPE": ("engine", "dtype", str), "MODEL_CACHE": ("engine", "model_cache_dir", str),
     "KV_CACHE_MEMORY_GB": ("engine", "kv_cache_memory_gb", float),
+    "GPU_MEMORY_UTILIZATION": ("engine", "gpu_memory_utilization", float),
 }
 
 

@@ -16,8 +16,9 @@ pytestmark = [pytest.mark.cuda,
 def engine(target, method="none", draft=None, **kw):
     spec = SpeculativeConfig(method=method, draft_model="in-memory" if draft else None,
                              k_max=4, adaptive=True)
-    return LLMEngine(EngineConfig(num_blocks=512, max_num_seqs=16, speculative=spec, **kw),
-                     model=target, draft_model=draft)
+    cfg = dict(num_blocks=512, max_num_seqs=16)
+    cfg.update(kw)
+    return LLMEngine(EngineConfig(speculative=spec, **cfg), model=target, draft_model=draft)
 
 
 def fresh(seed=0):
@@ -64,7 +65,7 @@ def test_a_step_synchronizes_only_in_its_one_fetch(method, graphs, monkeypatch):
 
     monkeypatch.setattr(device_io, "fetch", allowed)
     draft = fresh(seed=1) if method == "draft_model" else None
-    eng = engine(fresh(), method, draft, cuda_graphs=graphs)
+    eng = engine(fresh(), method, draft, cuda_graphs=graphs, cuda_graph_batch_sizes=[1, 4])
     prompts = random_prompts([5, 40, 17], seed=3)
     params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2),
               SamplingParams(temperature=0.8, top_p=0.9, max_tokens=16, ignore_eos=True),
@@ -82,3 +83,24 @@ def test_a_step_synchronizes_only_in_its_one_fetch(method, graphs, monkeypatch):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert steps >= 4
+
+
+def test_the_kv_pool_is_sized_after_the_cuda_graphs():
+    """A pool asked larger than the device leaves shrinks to what is left under
+    gpu_memory_utilization once weights, the largest step and the graphs are accounted; the
+    engine then stays under it with every bucket captured."""
+    torch.cuda.empty_cache()
+    total = torch.cuda.mem_get_info()[1]
+    before = torch.cuda.memory_allocated()
+    util = before / total + 0.03
+    eng = engine(fresh(), "ngram", num_blocks=None, kv_cache_memory_gb=total / (1 << 30),
+                 gpu_memory_utilization=util, cuda_graph_batch_sizes=[1, 2, 4, 8])
+    assert eng.runner.static is not None and eng.runner.static.num_replays == 0
+    assert 1000 < eng.block_manager.num_blocks
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() < util * total
+    torch.cuda.reset_peak_memory_stats()
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    assert len(eng.generate(random_prompts([5, 9], seed=1), params)) == 2
+    assert eng.runner.static.num_replays > 0
+    assert torch.cuda.max_memory_allocated() < util * total
