@@ -152,3 +152,40 @@ def test_static_steps_need_the_triton_backend():
     with pytest.raises(ValueError, match="cuda_graphs"):
         LLMEngine(EngineConfig(num_blocks=16, attention_backend="sdpa", cuda_graphs="static"),
                   model=build_tiny_model("qwen2"))
+
+
+@pytest.mark.parametrize("defer_reads", [False, True])
+def test_static_steps_equal_eager_seeded_at_bucket_edges_while_the_batch_shrinks(defer_reads):
+    """Seeded sampling with the draft model (coupled verification: the tokens plain decoding
+    gives), 5 sequences that finish one after another, so steps cross the buckets 8 -> 4 -> 2
+    -> 1 and run 1 + 3 tokens (the widest bucket) as well as fewer; the draft's chained
+    forwards (defer_reads) feed the static buckets from the device."""
+    from engine.config import SpeculativeConfig
+
+    target = build_tiny_model("qwen2")
+    draft = build_tiny_model("qwen2", seed=1)
+    prompts = random_prompts([3, 20, 9, 33, 14], seed=6)
+    params = [SamplingParams(temperature=0.8, top_p=0.95, seed=10 + i, max_tokens=n,
+                             ignore_eos=True) for i, n in enumerate([3, 7, 12, 16, 21])]
+
+    def engine(graphs, method):
+        spec = SpeculativeConfig(method=method, k_max=3, adaptive=False, calibrate=False,
+                                 draft_model="in-memory" if method != "none" else None)
+        eng = LLMEngine(EngineConfig(num_blocks=64, attention_backend="triton",
+                                     cuda_graphs=graphs, cuda_graph_batch_sizes=[1, 2, 4, 8],
+                                     batch_invariant=False, speculative=spec),
+                        model=clone_model(target),
+                        draft_model=clone_model(draft) if method != "none" else None)
+        if method != "none":
+            eng.speculator.proposer.defer_reads = defer_reads
+        return eng
+
+    want = [o.output_token_ids for o in engine("off", "none").generate(prompts, params)]
+    eng = engine("static", "draft_model")
+    assert [o.output_token_ids for o in eng.generate(prompts, params)] == want
+    static = eng.runner.static
+    assert static.num_static > 0
+    assert {s for s, _ in static._buckets} >= {1, 2, 4, 8}
+    assert eng.speculator.stats.num_draft_tokens > 0
+    assert eng.speculator.proposer.runner.static.num_static > 0
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
