@@ -182,3 +182,25 @@ def test_coupled_engine_keeps_the_target_distribution():
     assert 0.05 < engine.speculator.stats.acceptance_rate < 0.99
     assert same_distribution_pvalue(plain[:n], spec[0::2]) > 0.001  # seeded, coupled
     assert same_distribution_pvalue(plain[n:], spec[1::2]) > 0.001  # unseeded, rejection
+
+
+@pytest.mark.parametrize("method, quantization", [("suffix", "none"), ("hybrid", "none"),
+                                                  ("draft_model", "int4")])
+def test_seeded_speculation_equals_plain_in_bf16(pair, method, quantization):
+    """In the dtype we serve (bf16, batch invariance on): seeded output with suffix or hybrid
+    drafts, and on an int4-quantized target with the draft model, in a mixed batch, equals
+    the same engine's plain output one request at a time."""
+    target, draft = (clone_model(m).to(torch.bfloat16) for m in pair)
+    requests = seeded_requests(range(6))
+    plain_engine = make_engine(target, max_num_seqs=1, quantization=quantization)
+    plain = [run(plain_engine, [r])[0] for r in requests]
+    engine = make_engine(target, method, draft if method != "suffix" else None, 4,
+                         quantization=quantization)
+    assert engine.runner.invariance is not None and engine.runner.invariance.invariant
+    if quantization == "int4":
+        from engine.kernels.quant_linear import Int4Linear
+
+        assert any(isinstance(m, Int4Linear) for m in engine.runner.model.modules())
+    assert run(engine, mixed_batch(requests)) == plain
+    st = engine.speculator.stats
+    assert st.num_draft_tokens > 0 and st.num_accepted_tokens > 0
