@@ -104,3 +104,40 @@ def test_the_kv_pool_is_sized_after_the_cuda_graphs():
     assert len(eng.generate(random_prompts([5, 9], seed=1), params)) == 2
     assert eng.runner.static.num_replays > 0
     assert torch.cuda.max_memory_allocated() < util * total
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_quantized_linears_on_cuda_compute_their_weights(kind):
+    """int4 through `_weight_int4pack_mm`, int8 through `_weight_int8pack_mm` (or a clear
+    refusal where this torch has no CUDA kernel for it), against the de-quantized weight."""
+    from engine.kernels.quant_linear import (Int4Linear, Int8Linear, quantize_int4_rtn,
+                                             quantize_int8_rtn)
+
+    torch.manual_seed(0)
+    w = torch.randn(256, 512)
+    x = torch.randn(5, 512).to(torch.bfloat16).cuda()
+    if kind == "int4":
+        codes, scale, offset = quantize_int4_rtn(w)
+        layer = Int4Linear(codes, scale, offset, None, torch.bfloat16, "cuda")
+        ref = (codes.float().view(256, -1, 32) * scale[..., None]
+               + offset[..., None]).view(256, 512)
+    else:
+        codes, scale = quantize_int8_rtn(w)
+        try:
+            layer = Int8Linear(codes, scale, None, torch.bfloat16, "cuda")
+        except ValueError as exc:
+            assert "int8 linears do not run on cuda" in str(exc)
+            return
+        ref = codes.float() * scale[:, None]
+    got = layer(x).float()
+    want = x.float() @ ref.cuda().t()
+    assert torch.allclose(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
+def test_int4_target_greedy_speculation_equals_plain_on_cuda():
+    prompts = random_prompts([5, 40, 17], seed=4)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = engine(fresh(), quantization="int4").generate(prompts, params)
+    eng = engine(fresh(), "ngram", quantization="int4")
+    assert [o.output_token_ids for o in eng.generate(prompts, params)] == \
+        [o.output_token_ids for o in plain]

@@ -140,6 +140,13 @@ class Int8Linear(torch.nn.Module):
         self.register_buffer("scale", scale.to(dtype).to(device))
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype)
                              .to(device))
+        if torch.device(device).type != "cpu":  # torch's kernel exists on some devices only
+            try:
+                self.matmul(torch.zeros(1, self.in_features, dtype=dtype, device=device))
+            except (RuntimeError, NotImplementedError) as exc:
+                raise ValueError(f"int8 linears do not run on {device} in this torch "
+                                 f"({type(exc).__name__}); use quantization int4 or none"
+                                 ) from exc
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.ops.aten._weight_int8pack_mm(x, self.weight_int8, self.scale)
