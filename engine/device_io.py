@@ -63,15 +63,13 @@ def fetch(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
         if t is None or t.device.type == "cpu":
             out.append(t)
             continue
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.device.type == "cuda")
-        host.copy_(t, non_blocking=True)
-        wait = t.device
+        cuda = t.device.type == "cuda"
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda)
+        host.copy_(t, non_blocking=cuda)  # elsewhere a plain, blocking copy
+        wait = t.device if cuda else wait
         out.append(host)
     if wait is not None:
-        if wait.type == "cuda":
-            torch.cuda.current_stream(wait).synchronize()
-        elif hasattr(torch, wait.type):  # other accelerators with the same stream API
-            getattr(torch, wait.type).synchronize()
+        torch.cuda.current_stream(wait).synchronize()
     return out
 
 

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from engine.attention.paged import AttentionBackend, AttentionMetadata, SeqSpan
+from engine.device_io import to_device
 
 try:
     import triton
@@ -150,16 +151,10 @@ class TritonBackend(AttentionBackend):
             per_seq[:, i] = (s.q_start, s.q_len, s.ctx_len)
             used = -(-s.ctx_len // block_size)
             tables[i, :used] = s.block_table[:used]
-        pin = device.type == "cuda"
-
-        def to_device(a: np.ndarray) -> torch.Tensor:
-            t = torch.from_numpy(a)
-            return t.pin_memory().to(device, non_blocking=True) if pin else t.to(device)
-
-        seq = to_device(per_seq)
-        return TritonMetadata(to_device(np.asarray(slot_mapping, dtype=np.int64)), seq[0],
-                              seq[1], seq[2], to_device(tables), max(s.q_len for s in spans),
-                              block_size)
+        seq = to_device(per_seq, torch.int32, device)
+        return TritonMetadata(to_device(slot_mapping, torch.long, device), seq[0], seq[1],
+                              seq[2], to_device(tables, torch.int32, device),
+                              max(s.q_len for s in spans), block_size)
 
     def forward(self, query, key, value, k_cache, v_cache, meta, scaling):
         # query: [1, heads, T, D]; k_cache/v_cache: [slots, kv_heads, D] (this layer's)

@@ -4,8 +4,8 @@ Must not touch sequences or the scheduler: the engine describes each row (one po
 next token is wanted) by a `RowSpec`, and everything here works on tensors.
 
 `process_logits` is the single definition of the sampling distribution (grammar mask, logit
-bias, penalties, temperature, top-k, top-p, min-p). The verifier applies the same function to draft and target
-logits, so exactness holds for every sampling setting.
+bias, penalties, temperature, top-k, top-p, min-p). The verifier applies the same function to
+draft and target logits, so exactness holds for every sampling setting.
 
 Random draws use the exponential race: argmax(p / E) with E ~ Exp(1) i.i.d. is a sample from
 p. A seeded request's noise is position-keyed: the noise of the row that samples its output
@@ -128,21 +128,24 @@ def _add_penalties(t: SamplingTensors, rows: list[RowSpec], vocab_size: int,
     settings = to_device([[r.params.presence_penalty, r.params.frequency_penalty,
                            r.params.repetition_penalty] for r in rows], torch.float32, device)
     t.presence, t.frequency, t.repetition = (settings[:, i:i + 1] for i in range(3))
-    # every row's generated tokens and seen tokens (prompt + output) as flat (row, token) pairs
-    out_rows = np.repeat(np.arange(len(rows)), [len(r.output_token_ids) for r in rows])
-    out_tokens = np.fromiter((x for r in rows for x in r.output_token_ids), dtype=np.int64,
-                             count=len(out_rows))
-    seen_rows = np.repeat(np.arange(len(rows)), [len(r.prompt_token_ids) for r in rows])
-    seen_tokens = np.fromiter((x for r in rows for x in r.prompt_token_ids), dtype=np.int64,
-                              count=len(seen_rows))
-    pairs = to_device(np.stack([np.concatenate([out_rows, seen_rows]),
-                                np.concatenate([out_tokens, seen_tokens])]), torch.long, device)
-    n = len(out_rows)
+    # every row's generated tokens, then its prompt tokens, as flat (row, token) pairs
+    out = _flat_pairs([r.output_token_ids for r in rows])
+    pairs = to_device(np.concatenate([out, _flat_pairs([r.prompt_token_ids for r in rows])],
+                                     axis=1), torch.long, device)
+    n = out.shape[1]
     t.output_counts = torch.zeros(len(rows), vocab_size, **f32)
     t.output_counts.index_put_((pairs[0, :n], pairs[1, :n]), torch.ones(n, **f32),
                                accumulate=True)
     t.seen = t.output_counts > 0
     t.seen[pairs[0, n:], pairs[1, n:]] = True
+
+
+def _flat_pairs(token_lists: list[list[int]]) -> np.ndarray:
+    """[2, total] (row, token) of every token of every row's list."""
+    lengths = [len(tokens) for tokens in token_lists]
+    return np.stack([np.repeat(np.arange(len(token_lists)), lengths),
+                     np.fromiter((x for tokens in token_lists for x in tokens), dtype=np.int64,
+                                 count=sum(lengths))])
 
 
 def process_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
