@@ -25,7 +25,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.memory_plan import GiB
-from engine.model_runner import ModelRunner, ModelShape, RunItem, StepLogits
+from engine.model_runner import DeviceTokens, ModelRunner, ModelShape, RunItem, StepLogits
 from engine.models.draft import draft_source, load_draft, prepare_draft
 from engine.models.loader import load_model, resolve_model_path
 from engine.models.quantize import apply_quantization
@@ -64,7 +64,8 @@ class RowOwner(NamedTuple):
     index: int  # in SchedulerOutput.scheduled
     seq: Sequence
     first_row: int
-    drafts: list[int]
+    drafts: list[int]  # placeholders where `device` holds them
+    device: torch.Tensor | None = None  # [k] the drafts, when only the device holds them
 
 
 class GrammarMasks(NamedTuple):
@@ -113,6 +114,9 @@ class LLMEngine:
             self.block_manager, self._eos_token_ids(model, tokenizer))
         self.device = self.runner.device
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        # the target pass's time for adaptive k: CUDA events on CUDA (drafts queued before
+        # the step are not its time), the host clock elsewhere
+        self._marks = device_io.Marks(self.device)
         self.coupled = config.speculative.verification == "coupled"
         self._sequences: dict[str, Sequence] = {}
         self._num_emitted: dict[str, int] = {}
@@ -322,14 +326,22 @@ class LLMEngine:
         self.speculator.drop(out.preempted, finished=False)
         if out.is_empty:
             return []
-        started = time.perf_counter()
+        started = self._marks.mark()
         masks = self._grammar_masks(out)  # computed while the target runs
-        step_logits = self.runner.execute([RunItem(s.token_ids, s.start, s.seq.block_table,
-                                                   s.num_sample_rows) for s in out.scheduled])
-        owners = self._row_owners(out, step_logits)
-        emitted, logprobs = self._results(owners, step_logits.logits, masks)
-        self.speculator.observe(out.num_batched_tokens, len(out.scheduled),
-                                time.perf_counter() - started,
+        on_device = {}  # scheduled index -> its drafts, held by the device only
+        for i, s in enumerate(out.scheduled):
+            d = self.speculator.pop_device_drafts(s.seq)
+            if d is not None:
+                on_device[i] = d
+        step_logits = self.runner.execute(
+            [RunItem(s.token_ids, s.start, s.seq.block_table, s.num_sample_rows)
+             for s in out.scheduled], self._device_tokens(out, on_device))
+        owners = self._row_owners(out, step_logits, on_device)
+        emitted, logprobs, ended = self._results(owners, step_logits.logits, masks)
+        # a step without rows reads nothing back: on CUDA its time is then unknown
+        seconds = (self._marks.seconds(started, ended) if ended is not None else
+                   None if self._marks.cuda else self._marks.seconds(started, time.perf_counter()))
+        self.speculator.observe(out.num_batched_tokens, len(out.scheduled), seconds,
                                 ((o.seq, len(o.drafts), len(e) - 1)
                                  for o, e in zip(owners, emitted)))
         changed = self._update(out, owners, emitted, logprobs)
@@ -337,7 +349,23 @@ class LLMEngine:
                                 self._draft_row_spec)
         return [self._output(seq) for seq in changed]
 
-    def _row_owners(self, out: SchedulerOutput, step_logits: StepLogits) -> list[RowOwner]:
+    def _device_tokens(self, out: SchedulerOutput,
+                       on_device: dict[int, torch.Tensor]) -> DeviceTokens | None:
+        """Where the step's drafts held by the device only go among its new tokens."""
+        if not on_device:
+            return None
+        index, values, at = [], [], 0
+        for i, s in enumerate(out.scheduled):
+            n = s.seq.num_tokens
+            if i in on_device and s.end > n:  # drafts lo..hi - 1 are in this chunk
+                lo, hi = max(s.start - n, 0), s.end - n
+                index += range(at + n + lo - s.start, at + n + hi - s.start)
+                values.append(on_device[i][lo:hi])
+            at += s.num_new_tokens
+        return DeviceTokens(index, torch.cat(values)) if values else None
+
+    def _row_owners(self, out: SchedulerOutput, step_logits: StepLogits,
+                    on_device: dict[int, torch.Tensor]) -> list[RowOwner]:
         """The scheduled sequences that own logits rows this step, with the drafts they verify.
 
         A sequence with k verified drafts owns k + 1 rows; k = 0 is plain sampling. Prompt
@@ -347,7 +375,10 @@ class LLMEngine:
         for i, sched in enumerate(out.scheduled):
             lo, hi = step_logits.row_offsets[i], step_logits.row_offsets[i + 1]
             if hi > lo:  # the budget may have cut the drafts short
-                owners.append(RowOwner(i, sched.seq, lo, sched.seq.draft_token_ids[:hi - lo - 1]))
+                k = hi - lo - 1
+                device = on_device.get(i)
+                owners.append(RowOwner(i, sched.seq, lo, sched.seq.draft_token_ids[:k],
+                                       None if device is None or not k else device[:k]))
         return owners
 
     def _grammar_masks(self, out: SchedulerOutput) -> GrammarMasks | None:
@@ -391,17 +422,20 @@ class LLMEngine:
         return seq.params.greedy or (self.coupled and seq.params.seed is not None)
 
     def _results(self, owners: list[RowOwner], logits: torch.Tensor,
-                 masks: GrammarMasks | None) -> tuple[list[list[int]], list[list | None]]:
+                 masks: GrammarMasks | None
+                 ) -> tuple[list[list[int]], list[list | None], object]:
         """Per row owner, its emitted tokens (accepted drafts + one sampled token) and their
-        logprobs (None unless asked for). Verification and logprobs run on the device; the
-        host reads them in the step's ONE transfer (engine/device_io.py)."""
+        logprobs (None unless asked for), and the mark of the step's end on the device (None
+        without owners). Verification and logprobs run on the device; the host reads them in
+        the step's ONE transfer (engine/device_io.py)."""
         if not owners:
-            return [], []
+            return [], [], None
         emitted = self._verify(owners, logits, masks)
         lp = self._logprob_tensors(owners, emitted, logits)
+        ended = self._marks.mark()
         host = device_io.lists(emitted, *(lp or (None, None, None)))
         tokens = rejection_sampler.to_lists(host[0])
-        return tokens, self._logprobs(owners, tokens, host[1:])
+        return tokens, self._logprobs(owners, tokens, host[1:]), ended
 
     def _verify(self, owners: list[RowOwner], logits: torch.Tensor,
                 masks: GrammarMasks | None = None) -> torch.Tensor:
@@ -433,6 +467,15 @@ class LLMEngine:
         qs = [None if pick else q for q, pick in zip(qs, by_pick)]  # by pick: q is not needed
         flat = device_io.to_device([t for o in owners for t in o.drafts], torch.long,
                                    self.device)
+        index, values, start = [], [], 0
+        for o in owners:  # drafts that only the device holds
+            if o.device is not None:
+                index += range(start, start + len(o.drafts))
+                values.append(o.device)
+            start += len(o.drafts)
+        if values:
+            flat.index_copy_(0, device_io.to_device(index, torch.long, self.device),
+                             torch.cat(values))
         draft_probs = None
         if any(q is not None for q, o in zip(qs, owners) if o.drafts):
             # a q that is never read (verified by pick) or absent: one-hot keeps rows aligned

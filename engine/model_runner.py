@@ -13,6 +13,7 @@ the rest of a prompt chunk.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -58,6 +59,16 @@ class RunItem:
     start: int
     block_table: list[int]  # covers every position up to start + len(token_ids)
     num_rows: int  # logits wanted at the last num_rows new tokens
+
+
+@dataclass
+class DeviceTokens:
+    """Token ids of a forward that only the device holds (drafts sampled there): `values[j]`
+    is the id of the forward's new token number `index[j]`, counting in item order. The items'
+    own token ids hold placeholders at those positions."""
+
+    index: Sequence[int]
+    values: torch.Tensor  # [len(index)] long, on the runner's device
 
 
 @dataclass
@@ -147,15 +158,13 @@ class ModelRunner:
             self.kv.meta = None
 
     @torch.inference_mode()
-    def execute(self, items: list[RunItem], input_ids: torch.Tensor | None = None
+    def execute(self, items: list[RunItem], device_tokens: DeviceTokens | None = None
                 ) -> StepLogits:
-        """input_ids: the step's token ids already on the device ([total new tokens], in item
-        order), e.g. tokens the previous forward sampled; the items' own token ids then only
-        count the tokens."""
+        """device_tokens: the token ids that are on the device only (tokens a previous forward
+        sampled); the items' own token ids hold placeholders there."""
         if self.static is not None and self.static.fits(items):
-            logits, row_offsets = self.static.execute(items, input_ids)
+            logits, row_offsets = self.static.execute(items, device_tokens)
             return StepLogits(logits, row_offsets)
-        device_ids = input_ids
         input_ids, positions, slot_mapping, keep, row_offsets = [], [], [], [], [0]
         spans = []
         bs = self.block_size
@@ -169,7 +178,13 @@ class ModelRunner:
             keep += range(q_start + end - start - item.num_rows, q_start + end - start)
             row_offsets.append(row_offsets[-1] + item.num_rows)
         dev, long = self.device, torch.long
-        ids = to_device([input_ids], long, dev) if device_ids is None else device_ids[None]
+        if device_tokens is not None and len(device_tokens.index) == len(input_ids):
+            ids = device_tokens.values[None]  # every id is on the device, in order
+        else:
+            ids = to_device([input_ids], long, dev)
+            if device_tokens is not None:
+                ids[0].index_copy_(0, to_device(device_tokens.index, long, dev),
+                                   device_tokens.values)
         logits = self.forward(ids, to_device([positions], long, dev),
                               to_device(keep, long, dev),
                               self.kv.backend.build_metadata(spans, slot_mapping, bs, dev))

@@ -127,10 +127,9 @@ class StaticSteps:
             for tokens in range(1, self.tokens_per_seq + 1):
                 self._bucket(size, tokens)
 
-    def execute(self, items, input_ids: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, list[int]]:
+    def execute(self, items, device_tokens=None) -> tuple[torch.Tensor, list[int]]:
         """Run `items` in their bucket; returns (logits [rows wanted, V], row offsets).
-        input_ids: the items' token ids on the device (see ModelRunner.execute)."""
+        device_tokens: the ids only the device holds (model_runner.DeviceTokens)."""
         q = max(len(it.token_ids) for it in items)
         b = self._bucket(len(items), q)
         bs, rows = self.runner.block_size, b.seqs * b.tokens
@@ -157,9 +156,10 @@ class StaticSteps:
         for dst, src in ((b.input_ids[0], ids), (b.positions[0], pos), (m.slot_mapping, slots),
                          (m.q_len, q_len), (m.ctx_len, ctx), (m.block_tables, tables)):
             copy_in(dst, src)
-        if input_ids is not None:
-            b.input_ids[0].index_copy_(0, to_device(real, torch.long, self.runner.device),
-                                       input_ids)
+        if device_tokens is not None:
+            rows_at = [real[j] for j in device_tokens.index]
+            b.input_ids[0].index_copy_(0, to_device(rows_at, torch.long, self.runner.device),
+                                       device_tokens.values)
         if b.graph is not None:
             b.graph.replay()
             logits = b.logits

@@ -51,12 +51,15 @@ def test_bf16_greedy_with_speculation_equals_plain_alone_and_batched(method):
 def test_a_step_synchronizes_only_in_its_one_fetch(method, graphs, monkeypatch):
     """torch's sync debug mode raises on any synchronizing call (a blocking copy, .item(),
     .tolist() of a device tensor, ...) outside `device_io.fetch`: the target pass, sampling,
-    verification, logprobs and the draft model's chained forwards synchronize once each."""
+    verification, logprobs and the draft model's chained forwards (whose drafts stay on the
+    device for the next step) synchronize once per step, in its fetch."""
     from engine import device_io
 
     fetch = device_io.fetch
+    fetches = [0]
 
     def allowed(*tensors):
+        fetches[0] += 1
         torch.cuda.set_sync_debug_mode("default")
         try:
             return fetch(*tensors)
@@ -78,7 +81,9 @@ def test_a_step_synchronizes_only_in_its_one_fetch(method, graphs, monkeypatch):
     try:
         torch.cuda.set_sync_debug_mode("error")
         while eng.has_unfinished():
-            eng.step()
+            fetches[0] = 0
+            outputs = eng.step()
+            assert fetches[0] == (1 if any(o.new_token_ids for o in outputs) else 0)
             steps += 1
     finally:
         torch.cuda.set_sync_debug_mode("default")

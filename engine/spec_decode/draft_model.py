@@ -15,11 +15,15 @@ sequence stops drafting early when q gave the token it just drafted less than
 draft length then depends on the draft alone, so the verifier stays exact.
 
 Reads (`defer_reads`, on by default on CUDA): the k forwards are chained on the device (each
-forward's input is the previous one's sampled tokens, never read by the host) and all drafts
-are read in ONE transfer at the end; the confidence stop is then applied to the drafts after
-the fact (same drafts, but every sequence runs its k forwards). Rows under a grammar or with
-penalties need each draft on the host, so a call with such rows reads every forward's tokens,
-as the CPU does by default (a read is free there, and stopping early skips forwards).
+forward's input is the previous one's sampled tokens, never read by the host) and the drafts
+stay there (`Proposal.device`): the next step feeds them to the target and the verifier on the
+device and reads the accepted ones with its results, so a speculative step reads the device
+once. With the confidence stop on, the drafts are read in ONE transfer at the end of the
+proposal instead, and the stop is applied to them after the fact (same drafts, but every
+sequence runs its k forwards; the verifier needs the cut lengths before the step). Rows under
+a grammar or with penalties need each draft on the host, so a call with such rows reads every
+forward's tokens, as the CPU does by default (a read is free there, and stopping early skips
+forwards).
 """
 
 from __future__ import annotations
@@ -31,8 +35,9 @@ import torch
 from engine import device_io
 from engine.block_manager import BlockManager
 from engine.device_io import Marks, to_device
-from engine.model_runner import ModelRunner, ModelShape, RunItem
+from engine.model_runner import DeviceTokens, ModelRunner, ModelShape, RunItem
 from engine.sample import sampler
+from engine.sample.rejection_sampler import PLACEHOLDER
 from engine.sequence import Sequence
 from engine.spec_decode.proposer import Proposal, Proposer
 
@@ -110,7 +115,8 @@ class DraftModelProposer(Proposer):
             if step:
                 specs = [rows(i, [0] * step if defer else known[i]) for i in active]
             start = marks.mark()
-            logits = self._to_target_vocab(self.runner.execute(items, ids).logits)  # [n, V]
+            logits = self._to_target_vocab(self.runner.execute(
+                items, None if ids is None else DeviceTokens(range(len(items)), ids)).logits)
             sampled, q, confident = self._draft_token(
                 logits, specs, any(ks[i] > step + 1 for i in active))
             forward = _Forward(active, sampled, q, confident,
@@ -128,10 +134,38 @@ class DraftModelProposer(Proposer):
                 go_on = [j for j, i in enumerate(active)
                          if ks[i] > step and (sure is None or sure[j])]
             active = [active[j] for j in go_on]
-            items = [RunItem([known[i][-1]] if not defer else [0],
+            items = [RunItem([known[i][-1]] if not defer else [PLACEHOLDER],
                              seqs[i].num_tokens + step - 1, seqs[i].block_table, 1)
                      for i in active]
+        if defer and self.stop_confidence <= 0.0:
+            return self._on_device(seqs, ks, forwards, marks)
         return self._proposal(seqs, forwards, marks)
+
+    def _on_device(self, seqs: list[Sequence], ks: list[int], forwards: list["_Forward"],
+                   marks: Marks) -> Proposal:
+        """The drafts of `forwards` left on the device ([sequences, max k]); each sequence
+        drafted its k (no stop), and its draft KV covers its committed tokens and every draft
+        but the last."""
+        device = None
+        if forwards:
+            device = torch.full((len(seqs), max(ks)), PLACEHOLDER, dtype=torch.long,
+                                device=self.device)
+            for step, f in enumerate(forwards):
+                device[:, step].index_copy_(0, to_device(f.active, torch.long, self.device),
+                                            f.sampled)
+        rows = [{i: j for j, i in enumerate(f.active)} for f in forwards]
+        probs: list[torch.Tensor | None] = [None] * len(seqs)
+        for i, k in enumerate(ks):
+            if k:
+                seqs[i].num_draft_computed = seqs[i].num_tokens + k - 1
+                if all(f.q is not None for f in forwards[:k]):
+                    probs[i] = torch.stack([f.q[r[i]] for f, r in zip(forwards[:k], rows)])
+        return Proposal([[PLACEHOLDER] * k for k in ks], probs, self._timings(forwards),
+                        marks, device)
+
+    @staticmethod
+    def _timings(forwards: list["_Forward"]) -> list[tuple[int, int, object, object]]:
+        return [(f.num_tokens, len(f.active), f.start, f.end) for f in forwards]
 
     def _proposal(self, seqs: list[Sequence], forwards: list["_Forward"],
                   marks: Marks) -> Proposal:
@@ -159,9 +193,7 @@ class DraftModelProposer(Proposer):
             if d:
                 seq.num_draft_computed = seq.num_tokens + len(d) - 1
         return Proposal(drafts, [torch.stack(p) if len(p) == len(d) and p else None
-                                 for p, d in zip(probs, drafts)],
-                        [(f.num_tokens, len(f.active), marks.seconds(f.start, f.end))
-                         for f in forwards])
+                                 for p, d in zip(probs, drafts)], self._timings(forwards), marks)
 
     def _draft_token(self, logits: torch.Tensor, row_specs: list[sampler.RowSpec],
                      more_wanted: bool

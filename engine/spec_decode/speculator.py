@@ -23,7 +23,7 @@ from engine.spec_decode.adaptive import AcceptanceStats, KController, RealizedRa
 from engine.spec_decode.calibration import calibrate
 from engine.spec_decode.draft_model import DraftModelProposer
 from engine.spec_decode.ngram import NgramProposer
-from engine.spec_decode.proposer import Proposer
+from engine.spec_decode.proposer import Proposal, Proposer
 from engine.spec_decode.stats import SpecDecodeStats
 from engine.spec_decode.suffix import SuffixCache, SuffixDraft
 
@@ -47,7 +47,10 @@ class NoSpeculation:
     def draft_probs(self, seq: Sequence, k: int) -> torch.Tensor | None:
         return None
 
-    def observe(self, target_tokens: int, target_seqs: int, seconds: float,
+    def pop_device_drafts(self, seq: Sequence) -> torch.Tensor | None:
+        return None
+
+    def observe(self, target_tokens: int, target_seqs: int, seconds: float | None,
                 verified: Iterable[tuple[Sequence, int, int]]) -> None:
         pass
 
@@ -72,6 +75,10 @@ class Speculator(NoSpeculation):
         k_stats = max(config.k_max, config.suffix_max_spec_tokens if suffix else 0)
         self.stats = SpecDecodeStats(k_max=k_stats)
         self._draft_probs: dict[str, torch.Tensor] = {}  # request id -> [k, V] q
+        # request id -> [k] its drafts on the device, when the host has not read them (its
+        # draft_token_ids hold placeholders)
+        self._device_drafts: dict[str, torch.Tensor] = {}
+        self._unread: Proposal | None = None  # the last proposal, its forwards not timed yet
         self._acceptance: dict[str, float] = {}  # request id -> estimate its drafts were chosen on
         # request id -> (method, match length of a suffix proposal) of its pending drafts
         self._method: dict[str, tuple[str, int]] = {}
@@ -84,6 +91,7 @@ class Speculator(NoSpeculation):
         once `finished`; a finished sequence's text joins the suffix cache)."""
         for seq in seqs:
             self._draft_probs.pop(seq.request_id, None)
+            self._device_drafts.pop(seq.request_id, None)
             self._acceptance.pop(seq.request_id, None)
             self._method.pop(seq.request_id, None)
             if finished:
@@ -130,14 +138,23 @@ class Speculator(NoSpeculation):
         t0 = time.perf_counter()
         proposal = self.proposer.propose(seqs, [k for _, k in chosen],
                                          lambda i, drafts: row_spec(seqs[i], drafts))
-        self.stats.draft_seconds += time.perf_counter() - t0
-        for num_tokens, num_seqs, seconds in proposal.forward_seconds:
+        if proposal.device is None:  # read: its forwards have run
+            self.stats.draft_seconds += time.perf_counter() - t0
+            self._record_forwards(proposal)
+        else:  # timed once the step that verifies it has read the device
+            self._unread = proposal
+        for j, (seq, drafts, q) in enumerate(zip(seqs, proposal.token_ids, proposal.probs)):
+            device = None if proposal.device is None else proposal.device[j, :len(drafts)]
+            self._set_drafts(seq, drafts, q, (self.method, 0), device)
+
+    def _record_forwards(self, proposal: Proposal) -> None:
+        for num_tokens, num_seqs, seconds in proposal.forward_seconds():
             self.controller.draft_cost.record(num_tokens, num_seqs, seconds)
-        for seq, drafts, q in zip(seqs, proposal.token_ids, proposal.probs):
-            self._set_drafts(seq, drafts, q, (self.method, 0))
 
     def _set_drafts(self, seq: Sequence, drafts: list[int], q: torch.Tensor | None,
-                    method: tuple[str, int]) -> None:
+                    method: tuple[str, int], device: torch.Tensor | None = None) -> None:
+        """device: the drafts on the device when the host holds only placeholders (never for
+        a sequence under a grammar: the proposer reads those)."""
         if seq.matcher is not None and drafts:  # structured output: drafts the grammar
             valid = seq.matcher.validate_tokens(list(drafts))  # allows, to the first not
             drafts, q = drafts[:valid], (None if q is None else q[:valid])
@@ -146,6 +163,10 @@ class Speculator(NoSpeculation):
             self._draft_probs[seq.request_id] = q
         else:
             self._draft_probs.pop(seq.request_id, None)
+        if device is not None and drafts:
+            self._device_drafts[seq.request_id] = device
+        else:
+            self._device_drafts.pop(seq.request_id, None)
         self._method[seq.request_id] = method
 
     def _alpha(self, seq: Sequence, prior: float) -> float:
@@ -200,11 +221,26 @@ class Speculator(NoSpeculation):
         q = self._draft_probs.pop(seq.request_id, None)
         return None if q is None else q[:k]
 
-    def observe(self, target_tokens: int, target_seqs: int, seconds: float,
+    def pop_device_drafts(self, seq: Sequence) -> torch.Tensor | None:
+        """The sequence's drafts on the device ([len(seq.draft_token_ids)]) when the host
+        holds placeholders for them, else None; taken by the step that runs them."""
+        return self._device_drafts.pop(seq.request_id, None)
+
+    def observe(self, target_tokens: int, target_seqs: int, seconds: float | None,
                 verified: Iterable[tuple[Sequence, int, int]]) -> None:
-        """One target pass (its cost includes verifying its drafts) and, per sequence,
-        (seq, drafts verified, drafts accepted)."""
-        self.controller.target_cost.record(target_tokens, target_seqs, seconds)
+        """One target pass (its cost includes verifying its drafts; `seconds` None when
+        unknown: a CUDA step that read nothing back) and, per sequence, (seq, drafts verified,
+        drafts accepted). Called after the step read the device, so the forwards of a
+        proposal left there are timed now; their span on the device is what the step paid for
+        drafting (the host only queued them)."""
+        if self._unread is not None:
+            proposal, self._unread = self._unread, None
+            self._record_forwards(proposal)
+            drafting = proposal.device_seconds()
+            self.stats.draft_seconds += drafting
+            self._propose_seconds = max(self._propose_seconds, drafting)
+        if seconds is not None:
+            self.controller.target_cost.record(target_tokens, target_seqs, seconds)
         verified = list(verified)
         drafted = emitted = 0
         for seq, num_drafted, num_accepted in verified:
@@ -214,8 +250,8 @@ class Speculator(NoSpeculation):
                 self._record(seq, num_drafted, num_accepted)
             else:
                 self._method.pop(seq.request_id, None)
-        if len(verified) == target_seqs and target_tokens == target_seqs + drafted \
-                and not (drafted and self._catching_up):
+        if seconds is not None and len(verified) == target_seqs \
+                and target_tokens == target_seqs + drafted and not (drafted and self._catching_up):
             # a pure decode step: what it realized, drafting included
             self.realized.record(target_seqs, drafted > 0, emitted,
                                  seconds + self._propose_seconds)
