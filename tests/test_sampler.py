@@ -80,6 +80,31 @@ def test_rows_have_independent_params():
     assert torch.isfinite(out[2]).sum() == 2
 
 
+def test_settings_are_built_once_per_batch_composition():
+    """A steady batch (the same params objects, row for row) reuses its settings tensors;
+    another composition, or equal settings in another request's params, gets its own, and the
+    processed logits are the same either way."""
+    a = SamplingParams(temperature=0.7, top_k=2, logit_bias={1: 3.0})
+    b = SamplingParams(temperature=0)
+    logits = LOGITS.repeat(3, 1)
+    first = sampler.build_sampling_tensors(rows(a, a, b), 6, logits.device)
+    again = sampler.build_sampling_tensors(rows(a, a, b, output=[1]), 6, logits.device)
+    assert again.temperature is first.temperature and again.top_k is first.top_k
+    assert again.logit_bias is first.logit_bias
+    twin = SamplingParams(temperature=0.7, top_k=2, logit_bias={1: 3.0})
+    other = sampler.build_sampling_tensors(rows(twin, a, b), 6, logits.device)
+    shorter = sampler.build_sampling_tensors(rows(a, b), 6, logits.device)
+    assert other.temperature is not first.temperature
+    assert shorter.temperature.shape == (2,) and shorter.greedy_rows == [False, True]
+    assert torch.equal(sampler.process_logits(logits, other),
+                       sampler.process_logits(logits, first))
+    for _ in range(sampler.SETTINGS_CACHE_SIZE + 1):  # bounded: old compositions go
+        sampler.build_sampling_tensors(rows(SamplingParams()), 6, logits.device)
+    assert len(sampler._settings_cache) <= sampler.SETTINGS_CACHE_SIZE
+    assert sampler.build_sampling_tensors(rows(a, a, b), 6, logits.device).temperature \
+        is not first.temperature
+
+
 def test_seeded_rows_reproducible_regardless_of_batch():
     logits = torch.randn(1, 50)
     p = SamplingParams(temperature=1.0, seed=3)

@@ -16,6 +16,7 @@ Unseeded rows share the engine's stream.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -76,25 +77,15 @@ def build_sampling_tensors(rows: list[RowSpec], vocab_size: int, device: torch.d
     Everything is gathered on the host first and reaches the device in a few copies that do
     not block (engine/device_io.py): no per-row loop launches work on the device."""
     params = [r.params for r in rows]
-    greedy = [p.greedy for p in params]
-    any_top_k = any(p.top_k > 0 and not g for p, g in zip(params, greedy))
-    any_top_p = any(p.top_p < 1.0 and not g for p, g in zip(params, greedy))
-    any_min_p = any(p.min_p > 0.0 and not g for p, g in zip(params, greedy))
-    # one float copy for every per-row float setting: temperature, top-p, min-p, greedy
-    floats = to_device([[1.0 if g else p.temperature for p, g in zip(params, greedy)],
-                        [p.top_p for p in params], [p.min_p for p in params], greedy],
-                       torch.float32, device)
+    settings = _settings(params, vocab_size, device)
     t = SamplingTensors(
-        temperature=floats[0], greedy=floats[3].bool(),
-        top_k=to_device([min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size
-                         for p in params], torch.long, device) if any_top_k else None,
-        top_p=floats[1] if any_top_p else None,
-        min_p=floats[2] if any_min_p else None,
+        temperature=settings.temperature, greedy=settings.greedy, top_k=settings.top_k,
+        top_p=settings.top_p, min_p=settings.min_p,
         presence=None, frequency=None, repetition=None, output_counts=None, seen=None,
-        logit_bias=_logit_bias(params, device),
+        logit_bias=settings.logit_bias,
         noise_keys=[r.noise_key for r in rows],
-        greedy_rows=greedy,
-        all_greedy=all(greedy),
+        greedy_rows=settings.greedy_rows,
+        all_greedy=settings.all_greedy,
     )
     if any(p.has_penalties for p in params):
         _add_penalties(t, rows, vocab_size, device)
@@ -108,6 +99,56 @@ def build_sampling_tensors(rows: list[RowSpec], vocab_size: int, device: torch.d
         t.allowed = grammars.allowed([(rows[i].grammar.matcher, rows[i].grammar.pending)
                                       for i in constrained], device)
     return t
+
+
+class _Settings(NamedTuple):
+    """The per-row settings tensors of one batch composition (see `_settings`)."""
+
+    params: list[SamplingParams]  # held, so that no other object takes their ids meanwhile
+    temperature: torch.Tensor
+    greedy: torch.Tensor
+    top_k: torch.Tensor | None
+    top_p: torch.Tensor | None
+    min_p: torch.Tensor | None
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    greedy_rows: list[bool]
+    all_greedy: bool
+
+
+# batch composition (device, vocabulary, each row's SamplingParams object) -> its settings
+_settings_cache: OrderedDict[tuple, _Settings] = OrderedDict()
+SETTINGS_CACHE_SIZE = 32
+
+
+def _settings(params: list[SamplingParams], vocab_size: int, device: torch.device) -> _Settings:
+    """The settings tensors of rows with these params (temperature, greedy, top-k/p, min-p,
+    logit bias), cached per batch composition: a steady batch (the same requests with the same
+    number of rows each, step after step) builds and copies them once. A request's params do
+    not change once it is admitted, and the cache holds the objects it keys by identity."""
+    key = (torch.device(device), vocab_size, *map(id, params))
+    hit = _settings_cache.get(key)
+    if hit is not None:
+        _settings_cache.move_to_end(key)
+        return hit
+    greedy = [p.greedy for p in params]
+    any_top_k = any(p.top_k > 0 and not g for p, g in zip(params, greedy))
+    any_top_p = any(p.top_p < 1.0 and not g for p, g in zip(params, greedy))
+    any_min_p = any(p.min_p > 0.0 and not g for p, g in zip(params, greedy))
+    # one float copy for every per-row float setting: temperature, top-p, min-p, greedy
+    floats = to_device([[1.0 if g else p.temperature for p, g in zip(params, greedy)],
+                        [p.top_p for p in params], [p.min_p for p in params], greedy],
+                       torch.float32, device)
+    settings = _Settings(
+        params, temperature=floats[0], greedy=floats[3].bool(),
+        top_k=to_device([min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size
+                         for p in params], torch.long, device) if any_top_k else None,
+        top_p=floats[1] if any_top_p else None,
+        min_p=floats[2] if any_min_p else None,
+        logit_bias=_logit_bias(params, device), greedy_rows=greedy, all_greedy=all(greedy))
+    _settings_cache[key] = settings
+    if len(_settings_cache) > SETTINGS_CACHE_SIZE:
+        _settings_cache.popitem(last=False)
+    return settings
 
 
 def _logit_bias(params: list[SamplingParams], device: torch.device
