@@ -150,6 +150,20 @@ def test_hybrid_takes_a_confident_suffix_proposal_and_the_draft_otherwise():
     assert kd == [0, 0] and kf[0] == 16 and kf[1] <= 1
 
 
+def test_one_noisy_cost_entry_does_not_cut_a_sure_suffix_proposal():
+    """The cost of verifying more tokens is read over the span they add, not between two
+    neighbouring sizes: measured here on the packaged pair (CPU), one slow step recorded at 2
+    tokens made the 1 -> 2 slope look like a whole step, and a 32-token suffix match with
+    confidence ~1 was cut to a few tokens and lost to the draft model."""
+    costs = {n: 0.21 + 0.01 * (n - 1) for n in (1, 3, 4, 5, 6, 7, 8, 12, 16, 24, 33, 40)}
+    costs[2] = 0.40  # one slow step at 2 tokens
+    ctl = controller(costs, {1: 0.02, 2: 0.021, 4: 0.023, 8: 0.03})
+    sure = [0.99 - 0.001 * j for j in range(32)]
+    kd, kf = ctl.choose_hybrid([0.8], [sure], 0, [1], [100])
+    assert kd == [0] and kf[0] >= 30
+    assert ctl.choose([0.8], 0, [1], [100])[0] >= 4  # nor the draft model's k
+
+
 def test_hybrid_speculates_nothing_when_the_target_is_compute_bound():
     ctl = controller({1: 0.1, 16: 1.6, 32: 3.2, 64: 6.4}, {1: 0.01, 16: 0.16})
     kd, kf = ctl.choose_hybrid([0.6] * 4, [[0.5, 0.25]] * 4, 0, [1] * 4, [100] * 4)

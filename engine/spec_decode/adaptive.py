@@ -5,7 +5,8 @@ E(a, k) = (1 - a^(k+1)) / (1 - a) tokens. A step costs one target pass over all 
 C_t(num_tokens), plus K draft forwards over the drafting batch, K * C_d(batch). For each K in
 0..k_max we predict tokens per second of the whole step and keep the best K; then each
 sequence keeps only the draft positions j whose expected gain a^j beats the marginal cost of
-verifying one more token at that rate. K = 0 (plain decoding) whenever speculation would not
+verifying one more token at that rate (the cost table's slope over all the tokens a plan may
+add, so that one noisy entry cannot decide it). K = 0 (plain decoding) whenever speculation would not
 pay, for example when the target pass is compute-bound at a large batch.
 
 Costs are measured: the engine records every target pass and draft forward into exponential
@@ -292,7 +293,8 @@ class KController:
                   if k_max else (lambda i, gain: 0.0))
         base, seqs = other_tokens + n, n + other_seqs
         plain = n / max(self.target_cost(base, seqs), 1e-9)
-        slope_t = self.target_cost.slope(base, n)
+        # over every token a plan may add: one noisy size must not decide the marginal cost
+        slope_t = self.target_cost.slope(base, max(n * k_max, sum(map(len, free)), n))
 
         def free_lengths(rate: float) -> list[int]:
             # keep position j while its chance beats the cost of verifying it at this rate
@@ -356,7 +358,8 @@ class KController:
         """
         n = len(acceptance)
         plain_rate = n / max(self.target_cost(base, seqs), 1e-9)
-        slope_t = self.target_cost.slope(base, n)
+        # over every token a plan may add: one noisy size must not decide the marginal cost
+        slope_t = self.target_cost.slope(base, n * self.k_max)
         best = Plan(0, [], plain_rate * (1.0 + margin), slope_t)
         slope_d = 0.0 if self.draft_cost_free else self.draft_cost.slope(n, n)
         for k in range(1, self.k_max + 1):
