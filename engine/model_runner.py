@@ -178,7 +178,7 @@ class ModelRunner:
             keep += range(q_start + end - start - item.num_rows, q_start + end - start)
             row_offsets.append(row_offsets[-1] + item.num_rows)
         dev, long = self.device, torch.long
-        if device_tokens is not None and len(device_tokens.index) == len(input_ids):
+        if device_tokens is not None and device_tokens.index == range(len(input_ids)):
             ids = device_tokens.values[None]  # every id is on the device, in order
         else:
             ids = to_device([input_ids], long, dev)
