@@ -277,14 +277,18 @@ def sample(processed: torch.Tensor, t: SamplingTensors,
     rows = [i for i, r in enumerate(race) if r]
     if not rows:
         return greedy_ids
-    racing = processed if len(rows) == len(race) else processed[rows]
+    if len(rows) == len(race):
+        racing, index = processed, None
+    else:  # a Python list as an index would be copied to the device blocking
+        index = to_device(rows, torch.long, processed.device)
+        racing = processed.index_select(0, index)
     probs = torch.softmax(racing, dim=-1)
     noise = exponential_noise(tuple(probs.shape), [t.noise_keys[i] for i in rows],
                               probs.device, default_generator)
     sampled_ids = (probs / noise).argmax(dim=-1)
-    if len(rows) == len(race):
+    if index is None:
         return sampled_ids
-    return greedy_ids.index_copy(0, to_device(rows, torch.long, processed.device), sampled_ids)
+    return greedy_ids.index_copy(0, index, sampled_ids)
 
 
 def logprob_tensors(raw_logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
