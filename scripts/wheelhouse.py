@@ -21,7 +21,8 @@ import sys
 from pathlib import Path
 
 ROOTS = ["fastapi", "starlette", "uvicorn", "sse-starlette", "pydantic", "pydantic-core",
-         "openai", "prometheus-client", "httpx", "llguidance", "gguf", "pyyaml"]
+         "openai", "prometheus-client", "httpx", "llguidance", "gguf", "pyyaml",
+         "jsonschema"]  # the last: test modules import it, and pytest collects them all
 # a torch + transformers (+ triton) installation has these; the GPU check never replaces them
 PROVIDED = {"torch", "transformers", "triton", "numpy", "tokenizers", "safetensors",
             "huggingface-hub", "hf-xet", "filelock", "fsspec", "regex", "requests", "urllib3",

@@ -100,14 +100,15 @@ def test_the_kv_pool_is_sized_after_the_cuda_graphs():
     util = before / total + 0.03
     eng = engine(fresh(), "ngram", num_blocks=None, kv_cache_memory_gb=total / (1 << 30),
                  gpu_memory_utilization=util, cuda_graph_batch_sizes=[1, 2, 4, 8])
-    assert eng.runner.static is not None and eng.runner.static.num_replays == 0
+    assert eng.runner.static is not None
+    replays = eng.runner.static.num_replays  # start-up calibration replays its buckets
     assert 1000 < eng.block_manager.num_blocks
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() < util * total
     torch.cuda.reset_peak_memory_stats()
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     assert len(eng.generate(random_prompts([5, 9], seed=1), params)) == 2
-    assert eng.runner.static.num_replays > 0
+    assert eng.runner.static.num_replays > replays
     assert torch.cuda.max_memory_allocated() < util * total
 
 
