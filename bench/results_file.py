@@ -11,13 +11,21 @@ from pathlib import Path
 import torch
 
 
+def _transformers_version() -> str:
+    try:
+        import transformers
+    except ImportError:
+        return "not installed"
+    return transformers.__version__
+
+
 def write_results(out: str | Path, title: str, threads: int, details: list[str], table: str,
                   result: str) -> None:
     """details: bench-specific lines (models, dtypes, workload) after date, machine, command."""
     command = " ".join(["python", f"bench/{Path(sys.argv[0]).name}", *sys.argv[1:]])
     meta = [f"date: {datetime.datetime.now().isoformat(timespec='seconds')}",
             f"machine: {platform.machine()}, {os.cpu_count()} CPUs, {threads} torch threads, "
-            f"torch {torch.__version__}",
+            f"torch {torch.__version__}, transformers {_transformers_version()}",
             f"command: `{command}`", *details]
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -119,6 +119,7 @@ class ModelRunner:
         # A prepared 4-D mask makes transformers skip building its own; ours reads block tables.
         self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
         self.static = None  # padded static-buffer steps (and CUDA graphs), when enabled
+        self._attention_checked = False
 
     def _kv(self, num_blocks: int, backend: paged.AttentionBackend) -> paged.PagedKVCache:
         return paged.PagedKVCache(self.shape.num_layers, num_blocks, self.block_size,
@@ -149,13 +150,23 @@ class ModelRunner:
                 meta: paged.AttentionMetadata) -> torch.Tensor:
         """One forward over prepared inputs ([1, T] ids and positions, rows to keep); returns
         the model's logits [1, len(keep), V]."""
-        self.kv.meta = meta
-        try:
-            return self.model(input_ids=input_ids, position_ids=positions,
-                              attention_mask=self._no_mask, use_cache=False,
-                              logits_to_keep=keep, **{self._cache_kwarg: self.kv}).logits
-        finally:
-            self.kv.meta = None
+        calls = self.kv.layer_calls
+        with self.kv.step(meta):
+            logits = self.model(input_ids=input_ids, position_ids=positions,
+                                attention_mask=self._no_mask, use_cache=False,
+                                logits_to_keep=keep, **{self._cache_kwarg: self.kv}).logits
+        if not self._attention_checked:  # once: every layer attended through the paged cache
+            made = self.kv.layer_calls - calls
+            if made != self.shape.num_layers:
+                import transformers
+
+                raise RuntimeError(
+                    f"{type(self.model).__name__} made {made} paged attention calls in a "
+                    f"forward of {self.shape.num_layers} layers (transformers "
+                    f"{transformers.__version__}): its attention does not run through the KV "
+                    "cache, and its outputs would be wrong")
+            self._attention_checked = True
+        return logits
 
     @torch.inference_mode()
     def execute(self, items: list[RunItem], device_tokens: DeviceTokens | None = None

@@ -68,3 +68,14 @@ def test_only_sampled_rows_are_returned():
     with torch.no_grad():
         full = ref(torch.tensor([b.token_ids])).logits[0, -1]
     torch.testing.assert_close(out.logits[0], full, atol=1e-4, rtol=0)
+
+
+def test_a_model_whose_attention_bypasses_the_paged_cache_is_refused():
+    """transformers routes attention through the registered function; if a model does not
+    (here: switched back to SDPA), its outputs would ignore the KV cache, so the runner's
+    first forward raises instead of serving them."""
+    runner = ModelRunner(build_tiny_model("qwen2"), num_blocks=8, block_size=16)
+    runner.model.set_attn_implementation("sdpa")
+    with pytest.raises(RuntimeError, match="does not run through the KV cache"):
+        runner.execute([RunItem([5, 6, 7], 0, [0], 1)])
+    assert runner.kv.meta is None

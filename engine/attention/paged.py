@@ -3,12 +3,14 @@
 Must not touch scheduling: it sees one step's flattened batch (built by the model runner) and
 the KV tensors of one model.
 
-How it plugs in: the runner passes a `PagedKVCache` as the model's cache. Each attention layer
-calls `cache.update(key, value, layer_idx, kwargs)`, which writes the new K/V at `slot_mapping`
-and leaves the layer's tensors plus the step's `AttentionMetadata` in `kwargs`; transformers then
-calls our registered attention function (`attn_implementation="specserve_paged"`) with those
-kwargs, and it reads K/V through the block tables. Without them (a plain forward or `generate`
-on the same model) the function falls back to transformers' SDPA path.
+How it plugs in: the runner passes a `PagedKVCache` as the model's cache and makes it the
+active cache for the forward (`PagedKVCache.step`). transformers calls our registered attention
+function (`attn_implementation="specserve_paged"`) in every layer with that layer's new query,
+key and value; the function writes the new K/V at `slot_mapping` in the active cache's tensors
+of `module.layer_idx` and attends through the block tables. The cache's own `update` writes
+nothing: transformers versions call it differently (5.17 without the layer's kwargs, 5.24
+with them), so nothing may depend on how. Outside a runner step (a plain forward or `generate`
+on the same model) no cache is active and the function falls back to transformers' SDPA path.
 
 The backend is an interface (`AttentionBackend`): `SDPABackend` is plain PyTorch SDPA and runs
 on CPU and GPU; a faster GPU backend (flash-attn varlen, FlexAttention, Triton) can be added
@@ -18,6 +20,8 @@ behind the same metadata without touching the runner.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -211,6 +215,7 @@ class PagedKVCache:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.backend = backend or SDPABackend()
         self.meta: AttentionMetadata | None = None
+        self.layer_calls = 0  # paged attention calls (the runner checks a forward makes them)
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -218,31 +223,49 @@ class PagedKVCache:
         itemsize = torch.empty((), dtype=dtype).element_size()
         return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
 
+    @contextmanager
+    def step(self, meta: AttentionMetadata):
+        """The cache every paged attention layer reads and writes while a forward runs."""
+        self.meta = meta
+        token = _active.set(self)
+        try:
+            yield
+        finally:
+            _active.reset(token)
+            self.meta = None
+
+    def flat(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's K and V tensors as [num_slots, kv_heads, head_dim]."""
+        k, v = self.k[layer_idx], self.v[layer_idx]
+        return k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
-               kwargs: dict | None = None, **_: object) -> tuple[torch.Tensor, torch.Tensor]:
-        # key_states/value_states: [1, kv_heads, num_tokens, head_dim]
-        assert self.meta is not None, "PagedKVCache used outside a runner step"
-        k_flat = self.k[layer_idx].view(-1, *self.k[layer_idx].shape[2:])  # [num_slots, kv_heads, d]
-        v_flat = self.v[layer_idx].view(-1, *self.v[layer_idx].shape[2:])
-        k_flat.index_copy_(0, self.meta.slot_mapping, key_states[0].transpose(0, 1))
-        v_flat.index_copy_(0, self.meta.slot_mapping, value_states[0].transpose(0, 1))
-        if kwargs is not None:
-            kwargs["specserve_kv"] = (k_flat, v_flat, self.meta, self.backend)
+               *_: object, **__: object) -> tuple[torch.Tensor, torch.Tensor]:
+        """transformers' cache hook: writes nothing (the attention function does, see the
+        module docstring)."""
         return key_states, value_states
 
 
+_active: ContextVar[PagedKVCache | None] = ContextVar("specserve_paged_cache", default=None)
+
+
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None,
-                            dropout=0.0, specserve_kv=None, **kwargs):
-    """transformers attention function; see the module docstring."""
-    if specserve_kv is None:
+                            dropout=0.0, **kwargs):
+    """transformers attention function; see the module docstring.
+    query: [1, heads, num_tokens, head_dim]; key/value: [1, kv_heads, num_tokens, head_dim]."""
+    cache = _active.get()
+    if cache is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       scaling=scaling, dropout=dropout, **kwargs)
-    k_flat, v_flat, meta, backend = specserve_kv
+    k_flat, v_flat = cache.flat(module.layer_idx)
+    k_flat.index_copy_(0, cache.meta.slot_mapping, key[0].transpose(0, 1))
+    v_flat.index_copy_(0, cache.meta.slot_mapping, value[0].transpose(0, 1))
+    cache.layer_calls += 1
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    return backend.forward(query, key, value, k_flat, v_flat, meta, scaling), None
+    return cache.backend.forward(query, key, value, k_flat, v_flat, cache.meta, scaling), None
 
 
 def register() -> str:
