@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, fields
 
 SPEC_METHODS = ("none", "draft_model", "ngram", "suffix", "hybrid")
 QUANTIZATION_MODES = ("none", "int8", "int4", "auto")
+INT4_KERNELS = ("auto", "vnni", "torch")  # engine/kernels/quant_linear.py
 
 
 @dataclass
@@ -95,6 +96,10 @@ class EngineConfig:
     # with speculation == greedy without; it differs from the unquantized model's as any
     # quantized model's does.
     quantization: str = "none"
+    # int4 linears of the target and the draft on the CPU: vnni (our AVX-512 VNNI kernel,
+    # activations quantized to int8 per group of 32 as llama.cpp does), torch (torch's
+    # weight-only kernel, activations as they are), auto (vnni where the CPU has it)
+    int4_kernel: str = "auto"
     model_cache_dir: str | None = None  # where recipes live (default ~/.cache/specserve/models)
     block_size: int = 16
     num_blocks: int | None = None  # None: sized from kv_cache_memory_gb
@@ -146,6 +151,9 @@ class EngineConfig:
         if self.quantization not in QUANTIZATION_MODES:
             raise ValueError(f"invalid engine config quantization: {self.quantization!r}; "
                              f"use one of {QUANTIZATION_MODES}")
+        if self.int4_kernel not in INT4_KERNELS:
+            raise ValueError(f"invalid engine config int4_kernel: {self.int4_kernel!r}; "
+                             f"use one of {INT4_KERNELS}")
         if self.attention_backend not in ("auto", "sdpa", "triton"):
             raise ValueError(f"invalid engine config attention_backend: "
                              f"{self.attention_backend!r}; use auto, sdpa or triton")

@@ -88,7 +88,7 @@ class LLMEngine:
         model = apply_quantization(
             model, config.quantization,
             resolve_model_path(config.model, config.model_cache_dir) if owned else None, owned,
-            what="target")
+            what="target", int4_kernel=config.int4_kernel)
         self.tokenizer = tokenizer
         draft_model = self._draft_model(model, draft_model)
         models = [model] + ([draft_model] if draft_model is not None else [])
@@ -157,7 +157,7 @@ class LLMEngine:
                            self.config.model_cache_dir) if owned else given
         return prepare_draft(draft, speculative.draft_quantization, owned,
                              draft_source(speculative, self.config.model_cache_dir)
-                             if owned else None)
+                             if owned else None, int4_kernel=self.config.int4_kernel)
 
     def _bytes_per_block(self, models: list[torch.nn.Module]) -> int:
         """KV bytes of one block id: a draft model's KV shares the same block ids."""

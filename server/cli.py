@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-from engine.config import QUANTIZATION_MODES
+from engine.config import INT4_KERNELS, QUANTIZATION_MODES
 
 
 def _models_fetch(args: argparse.Namespace) -> int:
@@ -44,7 +44,8 @@ def _serve(args: argparse.Namespace) -> int:
         if v is not None}
     engine = {k: v for k, v in {
         "model": args.model, "device": args.device, "dtype": args.dtype,
-        "num_threads": args.num_threads, "quantization": args.quantization}.items()
+        "num_threads": args.num_threads, "quantization": args.quantization,
+        "int4_kernel": args.int4_kernel}.items()
         if v is not None}
     spec = {k: v for k, v in {"method": args.speculative, "draft_model": args.draft_model,
                               "k_max": args.k_max,
@@ -158,6 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "4-bit blocks as int4, its 5-8-bit layers as int8, on the CPU)")
     srv.add_argument("--draft-quantization", choices=list(QUANTIZATION_MODES),
                      help="the same for the draft model")
+    srv.add_argument("--int4-kernel", choices=list(INT4_KERNELS),
+                     help="CPU kernel of int4 linears: vnni (AVX-512 VNNI, int8 activations "
+                          "as llama.cpp), torch (activations as they are), auto (vnni where "
+                          "the CPU has it)")
     srv.add_argument("--speculative", choices=["none", "draft_model", "ngram", "suffix",
                                                      "hybrid"], help="speculation method")
     srv.add_argument("--draft-model", help="draft model for --speculative draft_model/hybrid")

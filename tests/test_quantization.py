@@ -10,9 +10,15 @@ from conftest import build_tiny_model, clone_model, random_prompts
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.config import SpeculativeConfig
 from engine.kernels.batch_invariant import invariant_row_range
-from engine.kernels.quant_linear import (Int4Linear, Int8Linear, pack_nibbles,
-                                         quantize_int4_rtn, quantize_int8_rtn, unpack_nibbles)
+from engine.kernels import quant_linear
+from engine.kernels.quant_linear import (Int4Linear, Int8Linear, pack_nibbles, pack_vnni,
+                                         quantize_int4_rtn, quantize_int8_rtn, unpack_nibbles,
+                                         unpack_vnni)
 from engine.models import quantize
+
+HAS_VNNI = not isinstance(quant_linear.vnni_kernel(), str)
+needs_vnni = pytest.mark.skipif(not HAS_VNNI, reason="the CPU has no AVX-512 VNNI")
+KERNELS = ["torch", pytest.param("vnni", marks=needs_vnni)]
 
 
 def _dequantized(codes, scale, offset):
@@ -29,6 +35,7 @@ def test_nibbles_round_trip():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int4_linear_computes_its_dequantized_weight(dtype):
+    """torch's kernel: the activations as they are, the weight within a few roundings."""
     torch.manual_seed(0)
     w = torch.randn(96, 256)
     codes, scale, offset = quantize_int4_rtn(w)
@@ -36,7 +43,7 @@ def test_int4_linear_computes_its_dequantized_weight(dtype):
     step = scale.max().item()
     assert (ref_w - w.double()).abs().max() <= 0.5 * step + 1e-6  # round to nearest
     bias = torch.randn(96)
-    layer = Int4Linear(codes, scale, offset, bias, dtype, "cpu")
+    layer = Int4Linear(codes, scale, offset, bias, dtype, "cpu", kernel="torch")
     x = torch.randn(7, 256).to(dtype)
     ref = x.double() @ ref_w.t() + bias.to(dtype).double()
     got = layer(x[None])[0]
@@ -49,6 +56,76 @@ def test_int4_linear_computes_its_dequantized_weight(dtype):
     assert (err <= scale.double().repeat_interleave(32, 1) / 12).all()
 
 
+def test_vnni_packing_round_trip():
+    torch.manual_seed(3)
+    codes = torch.randint(0, 16, (48, 96), dtype=torch.uint8)
+    scale, offset = torch.rand(48, 3), -torch.rand(48, 3)
+    packed, sc, off = pack_vnni(codes, scale, offset)
+    assert packed.shape == (3, 3, 256) and sc.shape == (3, 3, 16)
+    back, sc2, off2 = unpack_vnni(packed, sc, off)
+    assert torch.equal(back, codes)
+    assert torch.equal(sc2, scale.half()) and torch.equal(off2, offset.half())
+
+
+def _vnni_reference(x, codes, scale16, offset16, bias):
+    """What the VNNI kernel computes, in float64: activations quantized per row and group of
+    32 to int8, integer dot products, the group's scale and offset terms."""
+    m, k = x.shape
+    xg = x.float().view(m, -1, 32)
+    amax = xg.abs().amax(-1)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    a = torch.round(xg * inv[..., None]).clamp(-128, 127).double()  # half to even, saturate
+    d, s = (amax / 127).double(), xg.double().sum(-1)
+    q = codes.double().view(codes.shape[0], -1, 32)
+    dots = torch.einsum("mgk,ngk->mng", a, q)  # exact integers
+    y = (dots * scale16.double()[None] * d[:, None, :]).sum(-1) + s @ offset16.double().t()
+    return y if bias is None else y + bias.double()
+
+
+@needs_vnni
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_vnni_int4_linear_computes_int8_activations_against_its_weight(dtype):
+    """Our kernel equals its specification (a float64 model of the same arithmetic) to float
+    rounding, and the product with the de-quantized weight within the int8 activations'
+    error; the weight it uses is the codes with fp16 scales and offsets."""
+    torch.manual_seed(0)
+    w = torch.randn(96, 256)
+    codes, scale, offset = quantize_int4_rtn(w)
+    bias = torch.randn(96)
+    layer = Int4Linear(codes, scale, offset, bias, dtype, "cpu", kernel="vnni")
+    assert layer.kernel == "vnni"
+    x = torch.randn(7, 256).to(dtype)
+    x[3, 32:64] = 0  # a group of zeros: no scale to divide by
+    got = layer(x[None])[0]
+    assert got.dtype == dtype and got.shape == (7, 96)
+    spec = _vnni_reference(x, codes, scale.half(), offset.half(), bias)
+    spec_tol = (1e-4 if dtype == torch.float32 else 2 ** -7) * spec.abs().max().item()
+    assert (got.double() - spec).abs().max().item() <= spec_tol
+    full = x.double() @ _dequantized(codes, scale, offset).t() + bias.double()
+    assert (got.double() - full).abs().max().item() <= 0.03 * full.abs().max().item()
+    err = (layer.dequantized().double() - _dequantized(codes, scale, offset)).abs()
+    bound = (15 * scale.double().abs() + offset.double().abs()) * 2 ** -11
+    assert (err <= bound.repeat_interleave(32, 1) + 1e-12).all()
+
+
+def test_int4_kernel_choice(monkeypatch):
+    torch.manual_seed(0)
+    parts = quantize_int4_rtn(torch.randn(48, 64))
+    assert Int4Linear(*parts, None, torch.float16, "cpu").kernel == "torch"  # no fp16 form
+    assert Int4Linear(*quantize_int4_rtn(torch.randn(48, 128), 64), None, torch.bfloat16,
+                      "cpu", 64).kernel == "torch"  # groups of 64
+    with pytest.raises(ValueError, match="vnni int4 kernel runs on the CPU"):
+        Int4Linear(*parts, None, torch.float16, "cpu", kernel="vnni")
+    with pytest.raises(ValueError, match="invalid int4 kernel"):
+        Int4Linear(*parts, None, torch.bfloat16, "cpu", kernel="avx")
+    monkeypatch.setattr(quant_linear, "vnni_kernel", lambda: "the CPU lacks avx512_vnni")
+    assert Int4Linear(*parts, None, torch.bfloat16, "cpu").kernel == "torch"
+    with pytest.raises(ValueError, match="not available: the CPU lacks avx512_vnni"):
+        Int4Linear(*parts, None, torch.bfloat16, "cpu", kernel="vnni")
+    with pytest.raises(ValueError, match="int4_kernel"):
+        EngineConfig(int4_kernel="avx")
+
+
 def test_int8_linear_matches_its_weight():
     torch.manual_seed(1)
     w = torch.randn(64, 128)
@@ -59,12 +136,14 @@ def test_int8_linear_matches_its_weight():
     assert torch.allclose(layer(x), F.linear(x, codes.float() * scale[:, None]), atol=1e-4)
 
 
-@pytest.mark.parametrize("kind", [Int4Linear, Int8Linear])
+@pytest.mark.parametrize("kind", ["int4/torch", pytest.param("int4/vnni", marks=needs_vnni),
+                                  "int8"])
 def test_quantized_kernels_are_batch_invariant(kind):
     """Measured like the plain linears: a row's bits never depend on the other rows."""
     torch.manual_seed(2)
     w = torch.randn(64, 256)
-    layer = (Int4Linear(*quantize_int4_rtn(w), None, torch.bfloat16, "cpu") if kind is Int4Linear
+    layer = (Int4Linear(*quantize_int4_rtn(w), None, torch.bfloat16, "cpu",
+                        kernel=kind.split("/")[1]) if kind.startswith("int4")
              else Int8Linear(*quantize_int8_rtn(w), None, torch.bfloat16, "cpu"))
     probe = torch.empty(64, 256, dtype=torch.bfloat16)
     assert invariant_row_range(probe, op=layer.matmul) is not None
@@ -139,24 +218,26 @@ def _staggered(engine, prompts, params):
     return [outs[i] for i in range(len(prompts))]
 
 
-@pytest.mark.parametrize("draft_quant", ["int4", "int8"])
-def test_int4_target_speculative_greedy_equals_plain_bf16(draft_quant):
+@pytest.mark.parametrize("draft_quant,kernel", [("int4", "torch"), ("int8", "torch"),
+                                                pytest.param("int4", "vnni", marks=needs_vnni)])
+def test_int4_target_speculative_greedy_equals_plain_bf16(draft_quant, kernel):
     """bf16, batch of 8 with staggered arrivals, batch invariance on: the int4 target's greedy
     output is the same with a (quantized) draft model as without, and with n-gram drafts."""
     target = build_tiny_model("qwen2", dtype=torch.bfloat16)
     prompts = random_prompts([5, 9, 14, 3, 20, 7, 11, 6])
     greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    plain_engine = _engine(target, dtype="bfloat16")
+    plain_engine = _engine(target, dtype="bfloat16", int4_kernel=kernel)
     assert isinstance(plain_engine.runner.model.lm_head, Int4Linear)
+    assert plain_engine.runner.model.lm_head.kernel == kernel
     assert plain_engine.runner.invariance.invariant
     plain = [o.output_token_ids for o in plain_engine.generate(prompts, greedy)]
     spec_engine = _engine(target, "draft_model", target, dtype="bfloat16",
-                          draft_quant=draft_quant)
+                          draft_quant=draft_quant, int4_kernel=kernel)
     draft_model = spec_engine.speculator.proposer.runner.model
     assert isinstance(draft_model.lm_head, Int4Linear if draft_quant == "int4" else Int8Linear)
     assert _staggered(spec_engine, prompts, greedy) == plain
     assert spec_engine.speculator.stats.acceptance_rate > 0.5
-    ngram = _engine(target, "ngram", dtype="bfloat16")
+    ngram = _engine(target, "ngram", dtype="bfloat16", int4_kernel=kernel)
     assert _staggered(ngram, prompts, greedy) == plain
     for engine in (spec_engine, ngram):
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

@@ -56,7 +56,7 @@ VOCAB_CHECK_COLS = 8192  # output features of the vocabulary projection used by 
 class InvarianceReport:
     invariant: bool = True
     # (in, out, kind) -> (M0, M1): row counts of calls that are invariant (None: no range);
-    # kind: "linear", "Int4Linear" or "Int8Linear"
+    # kind: "linear", "Int4Linear/<kernel>" or "Int8Linear"
     linear_rows: dict[tuple[int, int, str], tuple[int, int] | None] = field(default_factory=dict)
     attention: InvariantLayout | None = None  # how attention calls are shaped
     problems: list[str] = field(default_factory=list)
@@ -166,7 +166,10 @@ def make_linears_invariant(model: torch.nn.Module, report: InvarianceReport) -> 
         quantized = isinstance(module, QUANTIZED_LINEARS)
         if type(module) is not torch.nn.Linear and not quantized:
             continue
-        kind = type(module).__name__ if quantized else "linear"
+        kind = "linear"
+        if quantized:  # "Int4Linear/vnni": the same layer on another kernel is another case
+            kind = type(module).__name__ + (f"/{module.kernel}" if hasattr(module, "kernel")
+                                            else "")
         key = (module.in_features, module.out_features, kind)
         if key not in report.linear_rows:
             if quantized:  # the layer's own kernel; a stand-in tensor gives shape and dtype

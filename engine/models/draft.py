@@ -31,7 +31,8 @@ def draft_source(config: SpeculativeConfig, cache_dir: str | None = None) -> str
 
 
 def prepare_draft(draft: torch.nn.Module, quantization: str, owned: bool,
-                  source: str | None = None) -> torch.nn.Module:
+                  source: str | None = None, int4_kernel: str = "auto") -> torch.nn.Module:
     """Apply `quantization` (engine/models/quantize.py; `source`: the draft's folder). A
     caller's model (not `owned`) is never changed in place."""
-    return apply_quantization(draft, quantization, source, owned, what="draft")
+    return apply_quantization(draft, quantization, source, owned, what="draft",
+                              int4_kernel=int4_kernel)

@@ -174,7 +174,8 @@ class StoredGGUF:
 
 # -- applying a mode to a loaded model ------------------------------------------------------
 def apply_quantization(model: torch.nn.Module, mode: str, source: str | Path | None = None,
-                       owned: bool = True, what: str = "model") -> torch.nn.Module:
+                       owned: bool = True, what: str = "model",
+                       int4_kernel: str = "auto") -> torch.nn.Module:
     """The model to run for `mode`: `model` itself, quantized in place when `owned` (the engine
     loaded it: no second copy in memory), else a quantized copy (a caller's model is never
     changed)."""
@@ -188,7 +189,7 @@ def apply_quantization(model: torch.nn.Module, mode: str, source: str | Path | N
                     "auto serves them unquantized", what, source, STORED_FILE, Path(source).name)
     if not owned:
         model = copy.deepcopy(model)
-    quantize_model(model, mode, stored=stored)
+    quantize_model(model, mode, stored=stored, int4_kernel=int4_kernel)
     _return_freed_memory()
     return model
 
@@ -214,10 +215,11 @@ def _set_module(model: torch.nn.Module, name: str, module: torch.nn.Module) -> N
 
 
 def quantize_model(model: torch.nn.Module, mode: str, source: str | Path | None = None,
-                   stored: StoredGGUF | None = None) -> dict[str, int]:
+                   stored: StoredGGUF | None = None, int4_kernel: str = "auto"
+                   ) -> dict[str, int]:
     """Replace `model`'s linear layers in place as `mode` says; `source`: the model's folder
-    (its stored GGUF form, if any), or the stored form already opened. Returns how many layers
-    got each form."""
+    (its stored GGUF form, if any), or the stored form already opened; `int4_kernel`: see
+    Int4Linear. Returns how many layers got each form."""
     if mode not in MODES:
         raise ValueError(f"invalid quantization {mode!r}; use one of {MODES}")
     if stored is None and mode in ("int4", "auto"):
@@ -246,7 +248,8 @@ def quantize_model(model: torch.nn.Module, mode: str, source: str | Path | None 
             counts["int4_gguf" if groups is not None else "int4"] += 1
             codes, scale, offset = groups if groups is not None else quantize_int4_rtn(
                 linear.weight)
-            new = Int4Linear(codes, scale, offset, linear.bias, dtype, device)
+            new = Int4Linear(codes, scale, offset, linear.bias, dtype, device,
+                             kernel=int4_kernel)
         else:
             counts["int8"] += 1
             codes, scale = quantize_int8_rtn(linear.weight)

@@ -1,0 +1,174 @@
+// int4 weights x int8 activations on AVX-512 VNNI: the CPU kernel of Int4Linear
+// (engine/kernels/quant_linear.py says what it computes and how exact it is).
+//
+// Weights, packed once (`pack` in quant_linear.py): output rows in blocks of 16, input
+// features in groups of 32. For block b and group g, 256 bytes: 4 parts p of 64 bytes; byte
+// 4*j + i of part p holds, for the block's row j, the code of feature g*32 + p*8 + i in its
+// low nibble and that of feature g*32 + p*8 + 4 + i in its high nibble. A part is then two
+// operands of `vpdpbusd` (16 rows x 4 features each, codes as unsigned bytes) against 4
+// activation bytes broadcast to every lane. Scales and offsets: fp16, [blocks, groups, 16].
+//
+// Activations are quantized per row and group of 32: a = round(x * 127 / max|x|) as int8
+// with d = max|x| / 127, and s = the exact fp32 sum of the group's x. Then
+//   y[m, n] = sum_g  scale[n, g] * d[m, g] * (sum_k q[n, k] a[m, k])  +  offset[n, g] * s[m, g]
+// A row's result depends on its own activations only, in a fixed order: the kernel is
+// batch-invariant by construction.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace {
+
+constexpr int kGroup = 32;
+constexpr int kBlock = 16;
+constexpr int kRows = 8;  // activation rows per pass over a block's weights (registers)
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+template <typename T>
+void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* a, float* d, float* s) {
+  const int64_t G = K / kGroup;
+  const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t g = 0; g < G; ++g) {
+      const T* xp = x + m * K + g * kGroup;
+      __m512 v0 = load16(xp), v1 = load16(xp + 16);
+      float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(v0, sign),
+                                                      _mm512_and_ps(v1, sign)));
+      float inv = amax > 0.f ? 127.f / amax : 0.f;
+      __m512 vi = _mm512_set1_ps(inv);
+      __m128i q0 = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v0, vi)));
+      __m128i q1 = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v1, vi)));
+      int8_t* ap = a + m * K + g * kGroup;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(ap), q0);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(ap + 16), q1);
+      d[m * G + g] = amax / 127.f;
+      s[m * G + g] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
+    }
+  }
+}
+
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(at::BFloat16* p, __m512 v) {  // round to nearest even, as torch does
+  __m512i u = _mm512_castps_si512(v);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+  __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  u = _mm512_mask_mov_epi32(u, nan, _mm512_set1_epi32(0x7fc00000));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+}
+
+// MR rows of activations against one block of 16 output rows, every group.
+template <int MR, typename T>
+inline void block_rows(const uint8_t* w, const at::Half* sc, const at::Half* off, const float* bias,
+                       const int8_t* a, const float* d, const float* s, int64_t K, int64_t G,
+                       T* y, int64_t N, int64_t n0) {
+  __m512 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0f);
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* wg = w + g * 256;
+    __m512i wv[8];
+    for (int p = 0; p < 4; ++p) {
+      __m512i v = _mm512_loadu_si512(wg + p * 64);
+      wv[2 * p] = _mm512_and_si512(v, low);
+      wv[2 * p + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    }
+    __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + g * 16)));
+    __m512 offset = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(off + g * 16)));
+    for (int r = 0; r < MR; ++r) {
+      const int32_t* ar = reinterpret_cast<const int32_t*>(a + r * K + g * kGroup);
+      // CH independent chains of dot products (vpdpbusd's latency, not its throughput, would
+      // bound a single chain of 8 when few rows share the weights)
+      constexpr int CH = MR <= 2 ? 4 : MR <= 4 ? 2 : 1;
+      __m512i part[CH];
+      for (int c = 0; c < CH; ++c) part[c] = _mm512_setzero_si512();
+      for (int q = 0; q < 8; ++q)
+        part[q % CH] = _mm512_dpbusd_epi32(part[q % CH], wv[q], _mm512_set1_epi32(ar[q]));
+      __m512i dot = part[0];
+      for (int c = 1; c < CH; ++c) dot = _mm512_add_epi32(dot, part[c]);
+      __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scale, _mm512_set1_ps(d[r * G + g])));
+      acc[r] = _mm512_add_ps(acc[r], f);
+      acc[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(s[r * G + g]), acc[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    __m512 v = bias ? _mm512_add_ps(acc[r], _mm512_loadu_ps(bias + n0)) : acc[r];
+    store16(y + r * N + n0, v);
+  }
+}
+
+template <typename T>
+void run(const T* x, const uint8_t* w, const at::Half* sc, const at::Half* off, const float* bias,
+         T* y, int64_t M, int64_t K, int64_t N) {
+  const int64_t G = K / kGroup, blocks = N / kBlock;
+  std::vector<int8_t> a(M * K);
+  std::vector<float> d(M * G), s(M * G);
+  quantize_rows(x, M, K, a.data(), d.data(), s.data());
+  // each thread takes whole blocks of outputs; every row of a block in the same loop
+  at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const uint8_t* wb = w + b * G * 256;
+      const at::Half* sb = sc + b * G * kBlock;
+      const at::Half* ob = off + b * G * kBlock;
+      for (int64_t m = 0; m < M; m += kRows) {
+        const int64_t mr = std::min<int64_t>(kRows, M - m);
+        const int8_t* am = a.data() + m * K;
+        const float* dm = d.data() + m * G;
+        const float* sm = s.data() + m * G;
+        T* ym = y + m * N;
+        const int64_t n0 = b * kBlock;
+        switch (mr) {
+#define ROWS(R) case R: block_rows<R>(wb, sb, ob, bias, am, dm, sm, K, G, ym, N, n0); break;
+          ROWS(8) ROWS(7) ROWS(6) ROWS(5) ROWS(4) ROWS(3) ROWS(2) ROWS(1)
+#undef ROWS
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// x [M, K] fp32 or bf16 (contiguous); packed [N/16, K/32, 256] uint8; scale, offset
+// [N/16, K/32, 16] fp16; bias [N] fp32 or empty. Returns [M, N] in x's dtype.
+torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale,
+                          torch::Tensor offset, torch::Tensor bias) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [M, K] matrix");
+  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(), "packed codes");
+  TORCH_CHECK(scale.scalar_type() == torch::kHalf && offset.scalar_type() == torch::kHalf,
+              "fp16 scales and offsets");
+  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * kBlock;
+  TORCH_CHECK(K % kGroup == 0 && packed.size(1) * kGroup == K && packed.size(2) == 256,
+              "packed codes do not match the input features");
+  TORCH_CHECK(scale.numel() == N / kBlock * (K / kGroup) * kBlock && offset.numel() == scale.numel(),
+              "scales do not match the codes");
+  const float* b = nullptr;
+  if (bias.numel()) {
+    TORCH_CHECK(bias.scalar_type() == torch::kFloat && bias.numel() == N, "fp32 bias of N");
+    b = bias.data_ptr<float>();
+  }
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  const at::Half* sc = scale.data_ptr<at::Half>();
+  const at::Half* off = offset.data_ptr<at::Half>();
+  if (x.scalar_type() == torch::kFloat) {
+    run(x.data_ptr<float>(), w, sc, off, b, y.data_ptr<float>(), M, K, N);
+  } else {
+    TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "x must be fp32 or bf16");
+    run(x.data_ptr<at::BFloat16>(), w, sc, off, b, y.data_ptr<at::BFloat16>(), M, K, N);
+  }
+  return y;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("int4_linear", &int4_linear, "int4 weights x int8 activations (AVX-512 VNNI)");
+}
