@@ -334,8 +334,9 @@ class LLMEngine:
             if d is not None:
                 on_device[i] = d
         step_logits = self.runner.execute(
-            [RunItem(s.token_ids, s.start, s.seq.block_table, s.num_sample_rows)
-             for s in out.scheduled], self._device_tokens(out, on_device))
+            [RunItem(s.token_ids, s.start, s.seq.block_table, s.num_sample_rows,
+                     s.seq.num_prompt_tokens) for s in out.scheduled],
+            self._device_tokens(out, on_device))
         owners = self._row_owners(out, step_logits, on_device)
         emitted, logprobs, ended = self._results(owners, step_logits.logits, masks)
         # a step without rows reads nothing back: on CUDA its time is then unknown

@@ -59,6 +59,9 @@ class RunItem:
     start: int
     block_table: list[int]  # covers every position up to start + len(token_ids)
     num_rows: int  # logits wanted at the last num_rows new tokens
+    # positions from here on hold generated tokens (the sequence's prompt length): their rows
+    # may run on the CPU row kernel (engine/attention/paged.py); None: every row is a prompt's
+    prompt_len: int | None = None
 
 
 @dataclass
@@ -108,10 +111,14 @@ class ModelRunner:
             from engine.attention.triton_backend import TritonBackend
 
             backend = TritonBackend()
-        elif backend is None:
-            backend = paged.SDPABackend(self.invariance.attention if self.invariance else None)
         self.dtype = model.get_input_embeddings().weight.dtype  # also for quantized linears
         self.shape = ModelShape.of(model)
+        if backend is None:
+            backend = paged.SDPABackend(
+                self.invariance.attention if self.invariance else None,
+                row_kernel=(self.device.type == "cpu" and self.dtype in (torch.float32,
+                                                                         torch.bfloat16)
+                            and self.shape.head_dim % 16 == 0 and self.shape.head_dim <= 256))
         self.block_size = block_size
         self.kv = self._kv(num_blocks, backend)
         params = inspect.signature(model.forward).parameters
@@ -185,7 +192,7 @@ class ModelRunner:
             input_ids += item.token_ids
             positions += range(start, end)
             slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, end)]
-            spans.append(paged.SeqSpan(q_start, end - start, end, table))
+            spans.append(paged.SeqSpan(q_start, end - start, end, table, item.prompt_len))
             keep += range(q_start + end - start - item.num_rows, q_start + end - start)
             row_offsets.append(row_offsets[-1] + item.num_rows)
         dev, long = self.device, torch.long

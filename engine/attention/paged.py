@@ -19,6 +19,7 @@ behind the same metadata without touching the runner.
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -29,6 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.device_io import to_device
+
+_log = logging.getLogger("specserve.engine")
 
 ATTN_IMPLEMENTATION = "specserve_paged"
 # Sequences with at most this many new tokens (decode, verification of 1 + k) are batched
@@ -44,6 +47,7 @@ class SeqSpan:
     q_len: int  # new tokens this step
     ctx_len: int  # tokens it attends to (cached + new)
     block_table: list[int]  # covers at least ctx_len tokens
+    prompt_len: int | None = None  # rows at positions >= this are generated tokens
 
 
 @dataclass
@@ -64,6 +68,9 @@ class AttentionMetadata:
     short_out: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows of the flattened batch,
     #   their places in the flattened [B * q_max] group output): the real, unpadded rows
     long_spans: list[LongSpan] = field(default_factory=list)
+    # rows of generated tokens on the CPU row kernel: (rows of the flattened batch [R],
+    # their positions [R], their sequences' block tables [R, blocks], the block size)
+    kernel_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -95,10 +102,29 @@ class AttentionBackend(ABC):
 class SDPABackend(AttentionBackend):
     """PyTorch SDPA. Short queries (decode, verification) run as one padded group; each longer
     query (a prefill chunk) runs alone. Without a `layout` calls are as small as possible (a
-    chunk with no past is causal on its new K/V); with one, every call follows it."""
+    chunk with no past is causal on its new K/V); with one, every call follows it.
 
-    def __init__(self, layout: InvariantLayout | None = None) -> None:
+    With `row_kernel` (on the CPU, where engine/kernels/csrc/paged_attention.cpp compiles) the
+    rows of GENERATED tokens (positions from the span's `prompt_len` on: decode steps, draft
+    verification, a preempted sequence's recomputed tokens) run on that kernel instead: it
+    reads the keys in place through the block table, without SDPA's gather and its padding to
+    the layout's 512 keys. What decides a row's kernel is whether it is a prompt's or a
+    generated token, never how the step is composed, and each kernel gives a row bits that do
+    not depend on the other rows of its call: batched or alone, plain or speculative, a row's
+    output is the same."""
+
+    def __init__(self, layout: InvariantLayout | None = None, row_kernel: bool = False) -> None:
         self.layout = layout
+        self.rows_ext = None
+        if row_kernel:
+            from engine.kernels import cpu_ext
+
+            ext = cpu_ext.load("paged_attention.cpp")
+            if isinstance(ext, str):
+                _log.info("attention of generated tokens runs on SDPA: the CPU row kernel is "
+                          "not available (%s)", ext)
+            else:
+                self.rows_ext = ext
 
     def _rows(self, n: int) -> int:  # query rows of a call of n real rows
         m = self.layout.q_multiple if self.layout else 1
@@ -110,6 +136,8 @@ class SDPABackend(AttentionBackend):
 
     def build_metadata(self, spans, slot_mapping, block_size, device):
         meta = AttentionMetadata(slot_mapping=to_device(slot_mapping, torch.long, device))
+        if self.rows_ext is not None and torch.device(device).type == "cpu":
+            spans = self._kernel_rows(meta, spans, block_size)
         short = [s for s in spans if s.q_len <= SHORT_QUERY_MAX]
         for s in spans:
             if s.q_len > SHORT_QUERY_MAX:
@@ -117,6 +145,31 @@ class SDPABackend(AttentionBackend):
         if short:
             self._short_group(meta, short, block_size, device)
         return meta
+
+    def _kernel_rows(self, meta: AttentionMetadata, spans: list[SeqSpan],
+                     block_size: int) -> list[SeqSpan]:
+        """Take the generated tokens' rows out of `spans` for the row kernel; returns what is
+        left for SDPA (the prompts' rows)."""
+        rest, rows, positions, tables = [], [], [], []
+        for s in spans:
+            start = s.ctx_len - s.q_len  # position of the span's first row
+            first = s.ctx_len if s.prompt_len is None else min(max(s.prompt_len, start),
+                                                                 s.ctx_len)
+            if first > start:  # prompt rows
+                rest.append(SeqSpan(s.q_start, first - start, first, s.block_table))
+            for p in range(first, s.ctx_len):
+                rows.append(s.q_start + p - start)
+                positions.append(p)
+                tables.append(s.block_table)
+        if rows:
+            width = max(len(t) for t in tables)
+            padded = np.zeros((len(tables), width), dtype=np.int64)
+            for i, t in enumerate(tables):
+                padded[i, :len(t)] = t
+            meta.kernel_rows = (torch.as_tensor(rows, dtype=torch.long),
+                                torch.as_tensor(positions, dtype=torch.long),
+                                torch.from_numpy(padded), block_size)
+        return rest
 
     def _long_span(self, s: SeqSpan, block_size: int, device: torch.device) -> LongSpan:
         rows = self._rows(s.q_len)
@@ -154,6 +207,10 @@ class SDPABackend(AttentionBackend):
         # k_cache/v_cache: [num_slots, kv_heads, head_dim]
         q = query[0].transpose(0, 1)  # [num_tokens, heads, head_dim]
         out = torch.empty_like(q)
+        if meta.kernel_rows is not None:
+            q, out = q.contiguous(), out.contiguous()
+            self.rows_ext.paged_attention_rows(out, q, k_cache, v_cache, *meta.kernel_rows,
+                                               scaling)
         if meta.short_q_index is not None:
             qs = q[meta.short_q_index].transpose(1, 2)  # [B, heads, q_max, head_dim]
             ks = k_cache[meta.short_kv_slots].transpose(1, 2)  # [B, kv_heads, kv_max, head_dim]

@@ -46,10 +46,11 @@ def _calibrate_runner(runner: ModelRunner, sizes: tuple[int, ...], cost: Forward
         return _best_seconds(lambda: runner.execute(items).logits.argmax(-1).tolist(),
                              runner.device)
 
-    runner.execute([RunItem([0] * CONTEXT, 0, block_table, 1)])  # warm-up
+    runner.execute([RunItem([0] * CONTEXT, 0, block_table, 1, CONTEXT)])  # warm-up
+    # the measured steps' tokens come after a CONTEXT-token prompt: generated, as in decoding
     for n in sizes:
-        cost.table.record(n, timed([RunItem([0] * n, CONTEXT, block_table, n)]))
-    seconds = timed([RunItem([0], CONTEXT, block_table, 1)] * SEQS)
+        cost.table.record(n, timed([RunItem([0] * n, CONTEXT, block_table, n, CONTEXT)]))
+    seconds = timed([RunItem([0], CONTEXT, block_table, 1, CONTEXT)] * SEQS)
     cost.per_seq = max(seconds - cost.table(SEQS), 0.0) / (SEQS - 1)
 
 

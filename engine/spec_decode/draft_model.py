@@ -108,7 +108,8 @@ class DraftModelProposer(Proposer):
         forwards: list[_Forward] = []
         # first forward: catch up on committed tokens, then one new token per step
         items = [RunItem(seqs[i].token_ids[seqs[i].num_draft_computed:],
-                         seqs[i].num_draft_computed, seqs[i].block_table, 1) for i in active]
+                         seqs[i].num_draft_computed, seqs[i].block_table, 1,
+                         seqs[i].num_prompt_tokens) for i in active]
         ids = None  # the previous forward's tokens, on the device (deferred)
         while active:
             step = len(forwards)
@@ -135,8 +136,8 @@ class DraftModelProposer(Proposer):
                          if ks[i] > step and (sure is None or sure[j])]
             active = [active[j] for j in go_on]
             items = [RunItem([known[i][-1]] if not defer else [PLACEHOLDER],
-                             seqs[i].num_tokens + step - 1, seqs[i].block_table, 1)
-                     for i in active]
+                             seqs[i].num_tokens + step - 1, seqs[i].block_table, 1,
+                             seqs[i].num_prompt_tokens) for i in active]
         if defer and self.stop_confidence <= 0.0:
             return self._on_device(seqs, ks, forwards, marks)
         return self._proposal(seqs, forwards, marks)

@@ -1,0 +1,167 @@
+// Attention of single query rows over the paged KV cache, on the CPU (AVX-512): the rows of
+// generated tokens (decode, verification of drafts) in engine/attention/paged.py.
+//
+// Each row r attends to the keys at positions 0..pos[r] of its sequence, read in place through
+// the row's block table (no gather, no padding). A row's result depends only on its query and
+// those keys, computed in one fixed order (scores key by key, max, exp and sum in a fixed
+// vector order, the weighted sum of values key by key), whatever the other rows of the call:
+// batch-invariant by construction, and the same for a row of a 1-token decode step and of a
+// 1 + k verification step. Tasks are (row, kv head) pairs spread over torch's threads; a task
+// computes whole rows, so the split never changes a result.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(at::BFloat16* p, __m512 v) {  // round to nearest even, as torch does
+  __m512i u = _mm512_castps_si512(v);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+  __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  u = _mm512_mask_mov_epi32(u, nan, _mm512_set1_epi32(0x7fc00000));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+}
+
+// e^x for x <= 0 (scores minus their max): 2^n * p(r), |r| <= ln2 / 2, a degree-6 polynomial
+// (relative error ~1e-7); below -87 it is 0.
+inline __m512 exp16(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(-87.3f);
+  __mmask16 tiny = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+  x = _mm512_max_ps(x, lo);
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  __m512 y = _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+  return _mm512_mask_mov_ps(y, tiny, _mm512_setzero_ps());
+}
+
+constexpr int kMaxChunks = 16;  // head_dim up to 256
+
+template <typename T>
+void attend(const T* q, const T* kc, const T* vc, T* out, const int64_t* rows, const int64_t* pos,
+            const int64_t* tables, int64_t R, int64_t H, int64_t KVH, int64_t D, int64_t MB,
+            int64_t bs, float scale) {
+  const int64_t group = H / KVH, chunks = D / 16;
+  at::parallel_for(0, R * KVH, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> scores;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t r = t / KVH, kvh = t % KVH, row = rows[r], n = pos[r] + 1;
+      const int64_t* table = tables + r * MB;
+      scores.assign(group * n, 0.f);
+      // the group's queries, as fp32, scaled
+      __m512 qv[8][kMaxChunks];
+      for (int64_t g = 0; g < group && g < 8; ++g)
+        for (int64_t c = 0; c < chunks; ++c)
+          qv[g][c] = _mm512_mul_ps(load16(q + (row * H + kvh * group + g) * D + c * 16),
+                                   _mm512_set1_ps(scale));
+      for (int64_t g0 = 0; g0 < group; g0 += 8) {  // more than 8 heads per kv head: in turns
+        const int64_t gn = std::min<int64_t>(8, group - g0);
+        if (g0)
+          for (int64_t g = 0; g < gn; ++g)
+            for (int64_t c = 0; c < chunks; ++c)
+              qv[g][c] = _mm512_mul_ps(load16(q + (row * H + kvh * group + g0 + g) * D + c * 16),
+                                       _mm512_set1_ps(scale));
+        for (int64_t j = 0; j < n; ++j) {
+          const int64_t slot = table[j / bs] * bs + j % bs;
+          const T* k = kc + (slot * KVH + kvh) * D;
+          __m512 kv[kMaxChunks];
+          for (int64_t c = 0; c < chunks; ++c) kv[c] = load16(k + c * 16);
+          for (int64_t g = 0; g < gn; ++g) {
+            __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
+            for (int64_t c = 1; c < chunks; ++c) acc = _mm512_fmadd_ps(qv[g][c], kv[c], acc);
+            scores[(g0 + g) * n + j] = _mm512_reduce_add_ps(acc);
+          }
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* s = scores.data() + g * n;
+        float mx = -INFINITY;
+        for (int64_t j = 0; j < n; ++j) mx = std::max(mx, s[j]);
+        const __m512 m = _mm512_set1_ps(mx);
+        __m512 sum = _mm512_setzero_ps();
+        int64_t j = 0;
+        for (; j + 16 <= n; j += 16) {
+          __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), m));
+          _mm512_storeu_ps(s + j, e);
+          sum = _mm512_add_ps(sum, e);
+        }
+        if (j < n) {
+          __mmask16 tail = (__mmask16)((1u << (n - j)) - 1);
+          __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + j), m));
+          e = _mm512_maskz_mov_ps(tail, e);
+          _mm512_mask_storeu_ps(s + j, tail, e);
+          sum = _mm512_add_ps(sum, e);
+        }
+        const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
+        __m512 acc[kMaxChunks];
+        for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_setzero_ps();
+        for (int64_t jj = 0; jj < n; ++jj) {
+          const int64_t slot = table[jj / bs] * bs + jj % bs;
+          const T* v = vc + (slot * KVH + kvh) * D;
+          const __m512 p = _mm512_set1_ps(s[jj]);
+          for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_fmadd_ps(p, load16(v + c * 16), acc[c]);
+        }
+        T* o = out + (row * H + kvh * group + g) * D;
+        for (int64_t c = 0; c < chunks; ++c) store16(o + c * 16, _mm512_mul_ps(acc[c], inv));
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// out, q: [T, H, D]; k_cache, v_cache: [slots, KVH, D] (all contiguous, one dtype: fp32 or
+// bf16); rows, pos: [R] int64; tables: [R, MB] int64 block tables. Writes out[rows[r]].
+void paged_attention_rows(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
+                          torch::Tensor v_cache, torch::Tensor rows, torch::Tensor pos,
+                          torch::Tensor tables, int64_t block_size, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && out.is_contiguous() && out.sizes() == q.sizes(),
+              "q and out: contiguous [T, H, D]");
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+              v_cache.sizes() == k_cache.sizes(), "k_cache, v_cache: contiguous [slots, KVH, D]");
+  const int64_t H = q.size(1), D = q.size(2), KVH = k_cache.size(1);
+  TORCH_CHECK(k_cache.size(2) == D && D % 16 == 0 && D <= 16 * kMaxChunks && H % KVH == 0,
+              "head_dim must be a multiple of 16 up to 256, heads a multiple of kv heads");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type()
+              && q.scalar_type() == out.scalar_type(), "one dtype");
+  TORCH_CHECK(rows.scalar_type() == torch::kLong && pos.scalar_type() == torch::kLong &&
+              tables.scalar_type() == torch::kLong && tables.is_contiguous() && tables.dim() == 2 &&
+              rows.numel() == pos.numel() && tables.size(0) == rows.numel(), "int64 metadata");
+  const int64_t R = rows.numel(), MB = tables.size(1);
+  if (R == 0) return;
+  const float sc = static_cast<float>(scale);
+  if (q.scalar_type() == torch::kFloat) {
+    attend(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+           out.data_ptr<float>(), rows.data_ptr<int64_t>(), pos.data_ptr<int64_t>(),
+           tables.data_ptr<int64_t>(), R, H, KVH, D, MB, block_size, sc);
+  } else {
+    TORCH_CHECK(q.scalar_type() == torch::kBFloat16, "fp32 or bf16");
+    attend(q.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(),
+           v_cache.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(),
+           rows.data_ptr<int64_t>(), pos.data_ptr<int64_t>(), tables.data_ptr<int64_t>(), R, H,
+           KVH, D, MB, block_size, sc);
+  }
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention_rows", &paged_attention_rows, "paged attention of query rows (AVX-512)");
+}
