@@ -37,7 +37,8 @@ def load(source: str, flags: tuple[str, ...] = AVX512):
     from torch.utils.cpp_extension import load as build
 
     path = SOURCES / source
-    digest = hashlib.sha256(path.read_bytes() + repr(flags).encode()).hexdigest()[:12]
+    text = path.read_bytes() + b"".join(h.read_bytes() for h in sorted(SOURCES.glob("*.h")))
+    digest = hashlib.sha256(text + repr(flags).encode()).hexdigest()[:12]
     name = f"specserve_{path.stem}_{digest}"
     where = KERNEL_CACHE / name
     where.mkdir(parents=True, exist_ok=True)

@@ -17,20 +17,19 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "avx512_util.h"
+
 #include <algorithm>
 #include <cstdint>
 
 namespace {
 
+using specserve::load16;
+using specserve::store16;
+
 constexpr int kGroup = 32;
 constexpr int kBlock = 16;
 constexpr int kRows = 8;  // activation rows per pass over a block's weights (registers)
-
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {
-  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
 
 template <typename T>
 void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* a, float* d, float* s) {
@@ -53,16 +52,6 @@ void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* a, float* d, float*
       s[m * G + g] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
     }
   }
-}
-
-inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-inline void store16(at::BFloat16* p, __m512 v) {  // round to nearest even, as torch does
-  __m512i u = _mm512_castps_si512(v);
-  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
-  __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  u = _mm512_mask_mov_epi32(u, nan, _mm512_set1_epi32(0x7fc00000));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
 }
 
 // MR rows of activations against one block of 16 output rows, every group.
