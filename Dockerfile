@@ -23,8 +23,11 @@ RUN pip install --no-cache-dir /src
 # -- runtime: the environment, the configs, a non-root user ----------------------------------
 FROM ${BASE_IMAGE}
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3 python3-venv curl ca-certificates \
+    && apt-get install -y --no-install-recommends python3 python3-venv python3-dev g++ curl \
+       ca-certificates \
     && rm -rf /var/lib/apt/lists/*
+# g++ and the Python headers: the C++ CPU kernels (engine/kernels/csrc) are compiled at the
+# first start, for the CPU they run on, into the user's ~/.cache/specserve/kernels
 COPY --from=build /opt/venv /opt/venv
 COPY configs /etc/specserve
 RUN useradd --create-home --uid 10001 specserve \

@@ -7,7 +7,8 @@ llama.cpp: `llama-server` built from the `llama-cpp-python` source package (its 
 llama.cpp; see scripts/build_llamacpp.sh), run with the target GGUF (Q4_K_M) plain and with the
 draft GGUF (`-md ... --spec-type draft-simple`, its default draft length). specserve: the same
 target de-quantized to bf16 (the reference), `--quantization int4` (the GGUF's Q4_K blocks as
-they are, its Q6_K layers re-quantized to int4), and int4 with the int4 draft and adaptive k.
+they are, its Q6_K layers re-quantized to int4), int4 with the int4 draft and adaptive k, and
+int4 with suffix speculation (drafts from the text so far, no draft model).
 
 Workload: the 8 chat prompts of bench/prompts/chat.jsonl, greedy, at most --max-tokens new
 tokens each; c=1 (one request at a time: tokens/s = tokens / time of the requests) and c=8 (all
@@ -17,8 +18,10 @@ the first difference), int4 vs bf16 (what quantization changes), c=8 vs c=1, and
 of the server process after the run, and its peak).
 
 Ends with `RESULT int4_vs_bf16_plain=… ours_spec_vs_llamacpp_plain=…
-ours_spec_vs_llamacpp_spec=… ours_c8_vs_llamacpp_c8=…` (ours at c=8: int4 + speculation;
-llama.cpp at c=8: the faster of its two settings) and writes bench/results/cpu_vs_llamacpp.md.
+ours_spec_vs_llamacpp_spec=… ours_c8_vs_llamacpp_c8=… ours_suffix_vs_llamacpp_plain=…` (ours
+spec: int4 + the int4 draft model; at c=8: int4 + the draft; llama.cpp at c=8: the faster of
+its two settings; suffix: int4 with suffix speculation, no draft model) and writes
+bench/results/cpu_vs_llamacpp.md.
 """
 
 from __future__ import annotations
@@ -143,6 +146,8 @@ def main() -> int:
         "specserve int4 + draft int4 (adaptive)": [
             "--quantization", "int4", "--speculative", "draft_model", "--draft-model", DRAFT,
             "--draft-quantization", "int4", "--k-max", str(args.k_max)],
+        "specserve int4 + suffix (adaptive)": ["--quantization", "int4",
+                                               "--speculative", "suffix"],
     }
     for name, extra in ours.items():
         # KV pools for CONTEXT tokens, as llama.cpp's -c (the pool is allocated up front)
@@ -169,13 +174,15 @@ def main() -> int:
         print(f"{name}: c1 {runs[name]['c1']:.2f} tok/s, c8 {runs[name]['c8']:.2f} tok/s",
               flush=True)
 
-    bf16, int4, spec = (runs[n] for n in ours)
+    bf16, int4, spec, suffix = (runs[n] for n in ours)
     lplain, lspec = runs["llama.cpp Q4_K_M plain"], runs["llama.cpp Q4_K_M + draft"]
     identity = {
         "specserve bf16 plain": "reference",
         "specserve int4 plain": f"vs bf16: {same(int4['texts'], bf16['texts'])}",
         "specserve int4 + draft int4 (adaptive)": f"vs int4 plain: "
                                                   f"{same(spec['texts'], int4['texts'])}",
+        "specserve int4 + suffix (adaptive)": f"vs int4 plain: "
+                                              f"{same(suffix['texts'], int4['texts'])}",
         "llama.cpp Q4_K_M plain": f"vs specserve bf16: {same(lplain['texts'], bf16['texts'])}",
         "llama.cpp Q4_K_M + draft": f"vs llama.cpp plain: "
                                     f"{same(lspec['texts'], lplain['texts'])}",
@@ -190,7 +197,8 @@ def main() -> int:
     result = (f"RESULT int4_vs_bf16_plain={int4['c1'] / bf16['c1']:.2f} "
               f"ours_spec_vs_llamacpp_plain={spec['c1'] / lplain['c1']:.2f} "
               f"ours_spec_vs_llamacpp_spec={spec['c1'] / lspec['c1']:.2f} "
-              f"ours_c8_vs_llamacpp_c8={spec['c8'] / max(lplain['c8'], lspec['c8']):.2f}")
+              f"ours_c8_vs_llamacpp_c8={spec['c8'] / max(lplain['c8'], lspec['c8']):.2f} "
+              f"ours_suffix_vs_llamacpp_plain={suffix['c1'] / lplain['c1']:.2f}")
     print(table)
     print(result)
     write_results(args.out, "specserve vs llama.cpp on this CPU (Qwen2.5-Coder 1.5B + 0.5B)",

@@ -156,5 +156,7 @@ def test_dockerfile(routes):
     assert health and health.group(1) in routes
     assert 'ENTRYPOINT ["specserve", "serve"]' in text
     assert "COPY configs /etc/specserve" in text
+    runtime = text[text.rindex("FROM "):]  # compiles the C++ CPU kernels at the first start
+    assert "g++" in runtime and "python3-dev" in runtime
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert ".venv" in ignored and ".git" in ignored
