@@ -20,6 +20,7 @@ import torch
 
 from engine.attention import paged
 from engine.device_io import to_device
+from engine.models import lean_forward
 
 
 @dataclass
@@ -127,6 +128,8 @@ class ModelRunner:
         self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
         self.static = None  # padded static-buffer steps (and CUDA graphs), when enabled
         self._attention_checked = False
+        # the model's forward without transformers' module wrappers (same bits), where known
+        self.lean = lean_forward.supported(model)
 
     def _kv(self, num_blocks: int, backend: paged.AttentionBackend) -> paged.PagedKVCache:
         return paged.PagedKVCache(self.shape.num_layers, num_blocks, self.block_size,
@@ -159,9 +162,12 @@ class ModelRunner:
         the model's logits [1, len(keep), V]."""
         calls = self.kv.layer_calls
         with self.kv.step(meta):
-            logits = self.model(input_ids=input_ids, position_ids=positions,
-                                attention_mask=self._no_mask, use_cache=False,
-                                logits_to_keep=keep, **{self._cache_kwarg: self.kv}).logits
+            if self.lean:
+                logits = lean_forward.forward(self.model, input_ids, positions, keep)
+            else:
+                logits = self.model(input_ids=input_ids, position_ids=positions,
+                                    attention_mask=self._no_mask, use_cache=False,
+                                    logits_to_keep=keep, **{self._cache_kwarg: self.kv}).logits
         if not self._attention_checked:  # once: every layer attended through the paged cache
             made = self.kv.layer_calls - calls
             if made != self.shape.num_layers:

@@ -27,6 +27,7 @@ def main() -> None:
                                  attention_backend="sdpa",
                                  speculative=SpeculativeConfig(method="none")), model=model)
     runner = eng.runner
+    runner.lean = False  # the hooks below need transformers' own forward
     prompts = random_prompts([17, 5, 40, 90], seed=3)
     tables, at = [], 1
     for p in prompts:

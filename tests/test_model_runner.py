@@ -75,6 +75,7 @@ def test_a_model_whose_attention_bypasses_the_paged_cache_is_refused():
     (here: switched back to SDPA), its outputs would ignore the KV cache, so the runner's
     first forward raises instead of serving them."""
     runner = ModelRunner(build_tiny_model("qwen2"), num_blocks=8, block_size=16)
+    runner.lean = False  # transformers' own forward (the lean one calls our attention itself)
     runner.model.set_attn_implementation("sdpa")
     with pytest.raises(RuntimeError, match="does not run through the KV cache"):
         runner.execute([RunItem([5, 6, 7], 0, [0], 1)])

@@ -29,11 +29,13 @@ for arch in ("qwen2", "llama"):
                          min_new_tokens=12, eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
             for p in prompts]
     for method in ("none", "ngram"):
-        eng = LLMEngine(EngineConfig(num_blocks=64, max_num_seqs=8,
-                                     speculative=SpeculativeConfig(method=method)),
-                        model=build_tiny_model(arch, seed=0))
-        got = [o.output_token_ids for o in eng.generate(prompts, params)]
-        assert got == want, (arch, method, got, want)
+        for lean in (True, False):  # our lean forward, and transformers' own
+            eng = LLMEngine(EngineConfig(num_blocks=64, max_num_seqs=8,
+                                         speculative=SpeculativeConfig(method=method)),
+                            model=build_tiny_model(arch, seed=0))
+            eng.runner.lean = lean
+            got = [o.output_token_ids for o in eng.generate(prompts, params)]
+            assert got == want, (arch, method, lean, got, want)
 print("compatible")
 """
 
