@@ -48,6 +48,7 @@ GROUP_SIZE = 32  # a GGUF 4-bit (sub-)block; the CPU kernel accepts 32, 64, 128 
 VNNI_BLOCK = 16  # output rows the VNNI kernel computes together
 
 
+@functools.cache
 def vnni_kernel():
     """The compiled VNNI kernel (engine/kernels/csrc/int4_vnni.cpp), or why there is none."""
     return cpu_ext.load("int4_vnni.cpp", cpu_ext.AVX512 + ("avx512_vnni",))
@@ -186,10 +187,7 @@ class Int4Linear(torch.nn.Module):
             return "torch"
         return "vnni"
 
-    def _mm(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel == "vnni":
-            return vnni_kernel().int4_linear(x.contiguous(), self.codes_vnni, self.scale_vnni,
-                                         self.offset_vnni, _NO_BIAS)
+    def _mm(self, x: torch.Tensor) -> torch.Tensor:  # torch's kernels
         if x.is_cuda:
             return torch.ops.aten._weight_int4pack_mm(x, self.weight_packed, self.group_size,
                                                       self.scale_zero)
