@@ -212,7 +212,7 @@ def main() -> int:
     batches = (1, 4) if args.smoke else (1, 8, 32, 128)
     cb_batch = 4 if args.smoke else 32
     bw = copy_bandwidth(device, clock, 16 if args.smoke else 1024)
-    rows, result = [], {}
+    rows, result, extra = [], {}, {}
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"device {name}, torch {torch.__version__}, copy bandwidth {bw / 1e9:.0f} GB/s",
           flush=True)
@@ -222,7 +222,11 @@ def main() -> int:
                           ("qwen2.5-7b", "auto")):
         model = build(shape, device, 0, args.smoke)
         wbytes, kvb = weight_bytes(model), kv_bytes_per_token(model)
+        held = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         engine = engine_for(model, args, graphs=graphs)
+        if device.type == "cuda":  # what the engine keeps beyond the weights and the KV pool
+            pool = sum(t.nbytes for t in engine.runner.kv.k + engine.runner.kv.v)
+            extra[f"{shape}, {graphs}"] = torch.cuda.memory_allocated(device) - held - pool
         backend = engine.runner.attention_backend
         mode = "CUDA graphs" if engine.runner.static is not None else "eager"
         for b in batches:
@@ -312,6 +316,8 @@ def main() -> int:
                f"prompt {args.prompt_len} random tokens, {args.new_tokens} new tokens, greedy, "
                f"bf16, random-init weights with the shapes of bench/model_shapes/"
                + (" (SMOKE: tiny shapes, not a measurement)" if args.smoke else "")]
+    details += [f"engine memory beyond weights and KV pool ({case} graphs): "
+                f"{value / 2**30:.2f} GiB" for case, value in extra.items()]
     if not args.smoke or args.out != parser.get_default("out"):
         write_results(args.out, "GPU: our engine vs transformers, roofline, speculation",
                       torch.get_num_threads(), details, table, line)

@@ -2,11 +2,11 @@
 
 Everything else the engine keeps on the device comes before the pool: the weights (loaded
 already), the activation peak of the largest step (an eager prompt chunk of
-`max_num_batched_tokens`, or the largest static bucket), and what the CUDA graphs keep: each
-captured bucket's output logits stay allocated ([sequences x tokens, vocab] per bucket, for the
-target and the draft model), plus each runner's graph memory pool, about one largest-bucket
-forward. The pool gets `kv_cache_memory_gb`, or less when that does not fit under
-`gpu_memory_utilization` of the device's memory (logged); a pool of no room is an error that
+`max_num_batched_tokens`, or the largest static bucket), and what the CUDA graphs keep: the
+output logits all buckets share ([largest sequences x tokens, vocab], for the target and the
+draft model), plus each runner's graph memory pool, about one largest-bucket forward. The
+pool gets `kv_cache_memory_gb`, or less when that does not fit under `gpu_memory_utilization`
+of the device's memory (logged); a pool of no room is an error that
 names the setting to change. On the CPU the pool is simply `kv_cache_memory_gb`.
 
 `plan_kv_bytes` is the arithmetic (tested on any machine); `measure_step_peak` runs real
@@ -41,10 +41,9 @@ class MemoryPlan:
 
 def graph_output_bytes(batch_sizes: tuple[int, ...], tokens_per_seq: int, vocab_size: int,
                        itemsize: int) -> int:
-    """What the captured buckets' output logits keep: every (batch size, 1..tokens_per_seq)
-    bucket holds [size x tokens, vocab] in the model's dtype."""
-    rows = sum(batch_sizes) * tokens_per_seq * (tokens_per_seq + 1) // 2
-    return rows * vocab_size * itemsize
+    """What the captured buckets' output logits keep: one [largest size x tokens_per_seq,
+    vocab] tensor in the model's dtype, which every bucket writes (static_steps.py)."""
+    return max(batch_sizes, default=0) * tokens_per_seq * vocab_size * itemsize
 
 
 def plan_kv_bytes(requested: int, total: int, in_use: int, utilization: float,

@@ -7,7 +7,10 @@ most new tokens of any of them. Every sequence gets exactly Q rows (its tokens, 
 missing sequences are padding. All inputs live in static tensors: token ids, positions, slot
 mapping, and the Triton attention metadata (row starts, new tokens, context lengths, block
 tables of a fixed width). Padding rows write their K/V to a scratch block no sequence owns and
-have no queries the kernel stores; their logits are computed and dropped.
+have no queries the kernel stores; their logits are computed and dropped. Every bucket writes
+its logits into one output buffer of the largest bucket's rows, shared by all buckets (a step
+runs one bucket and reads its rows before the next), so the captured graphs keep one
+[rows, vocab] tensor rather than one per bucket; the graphs share one memory pool for the rest.
 
 On CUDA each bucket is captured once as a CUDA graph (after a warm-up run) and replayed: one
 launch for the whole forward instead of hundreds. The same code runs without capture on any
@@ -40,7 +43,6 @@ class Bucket:
     positions: torch.Tensor  # [1, S*Q]
     keep: torch.Tensor  # [S*Q] rows whose logits are computed (all)
     meta: object  # TritonMetadata over static tensors
-    logits: torch.Tensor | None = None  # the forward's output ([1, S*Q, V]), static once captured
     graph: object | None = None  # torch.cuda.CUDAGraph
 
 
@@ -62,6 +64,7 @@ class StaticSteps:
         self._buckets: dict[tuple[int, int], Bucket] = {}
         self._meta_cls = TritonMetadata
         self.pool = None  # the graphs' shared memory pool
+        self.out: torch.Tensor | None = None  # [max S*Q, V] every bucket's logits (shared)
         self.num_replays = 0
         self.num_static = 0
 
@@ -98,8 +101,13 @@ class StaticSteps:
                       torch.zeros(1, rows, dtype=torch.long, device=dev),
                       torch.arange(rows, dtype=torch.long, device=dev), meta)
 
-    def _forward(self, b: Bucket) -> torch.Tensor:
-        return self.runner.forward(b.input_ids, b.positions, b.keep, b.meta)
+    def _run(self, b: Bucket) -> None:
+        """The forward of `b`, its logits copied into the shared output's first S*Q rows."""
+        logits = self.runner.forward(b.input_ids, b.positions, b.keep, b.meta)[0]
+        if self.out is None:  # at the first forward, a warm-up (never inside a capture)
+            self.out = torch.empty((self.max_seqs * self.tokens_per_seq, logits.shape[-1]),
+                                   dtype=logits.dtype, device=logits.device)
+        self.out[:logits.shape[0]].copy_(logits)
 
     def _capture(self, b: Bucket) -> None:
         """Warm up on a side stream, then capture; a bucket that cannot be captured keeps
@@ -109,22 +117,23 @@ class StaticSteps:
             stream.wait_stream(torch.cuda.current_stream(self.runner.device))
             with torch.cuda.stream(stream):
                 for _ in range(2):
-                    self._forward(b)
+                    self._run(b)
             torch.cuda.current_stream(self.runner.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                b.logits = self._forward(b)
+                self._run(b)
             self.pool = graph.pool()
             b.graph = graph
         except Exception as exc:  # noqa: BLE001 - run uncaptured rather than fail the step
             log.warning("CUDA graph capture failed for %d x %d tokens (%s: %s); that bucket "
                         "runs without a graph", b.seqs, b.tokens, type(exc).__name__, exc)
-            b.graph, b.logits = None, None
+            b.graph = None
 
     def warm_up(self) -> None:
-        """Create (and capture) every bucket now, so no live step pays for a capture."""
-        for size in self.batch_sizes:
-            for tokens in range(1, self.tokens_per_seq + 1):
+        """Create (and capture) every bucket now, so no live step pays for a capture; the
+        largest first, so that the smaller ones reuse the pool memory it freed."""
+        for size in reversed(self.batch_sizes):
+            for tokens in range(self.tokens_per_seq, 0, -1):
                 self._bucket(size, tokens)
 
     def execute(self, items, device_tokens=None) -> tuple[torch.Tensor, list[int]]:
@@ -162,10 +171,9 @@ class StaticSteps:
                                        device_tokens.values)
         if b.graph is not None:
             b.graph.replay()
-            logits = b.logits
             self.num_replays += 1
         else:
-            logits = self._forward(b)
+            self._run(b)
         self.num_static += 1
         index = to_device(wanted, torch.long, self.runner.device)
-        return logits[0, index].float(), offsets
+        return self.out[index].float(), offsets  # a copy: the next step overwrites `out`

@@ -147,3 +147,13 @@ def test_int4_target_greedy_speculation_equals_plain_on_cuda():
     eng = engine(fresh(), "ngram", quantization="int4")
     assert [o.output_token_ids for o in eng.generate(prompts, params)] == \
         [o.output_token_ids for o in plain]
+
+
+def test_keyed_noise_has_the_same_bits_on_cuda_as_on_the_cpu():
+    """A seeded request's uniforms are integer arithmetic: the same on every device."""
+    from engine.sample.keys import noise_key
+    from engine.sample.sampler import keyed_uniforms
+
+    keys = [noise_key(seed, t) for seed in (0, 7, 2**62) for t in (0, 1, 300)]
+    cpu = keyed_uniforms(keys, 151_936, torch.device("cpu"))
+    assert torch.equal(keyed_uniforms(keys, 151_936, torch.device("cuda")).cpu(), cpu)

@@ -13,9 +13,9 @@ from engine.memory_plan import GiB, graph_output_bytes, plan_kv_bytes
 from engine.model_runner import ModelRunner
 
 
-def test_graph_outputs_count_every_bucket():
-    # buckets (1, 2, 4) sequences x 1..3 tokens: (1 + 2 + 4) x (1 + 2 + 3) rows of logits
-    assert graph_output_bytes((1, 2, 4), 3, 1000, 2) == 7 * 6 * 1000 * 2
+def test_graph_outputs_are_one_buffer_of_the_largest_bucket():
+    # buckets (1, 2, 4) sequences x 1..3 tokens share one output of 4 x 3 rows of logits
+    assert graph_output_bytes((1, 2, 4), 3, 1000, 2) == 4 * 3 * 1000 * 2
     assert graph_output_bytes((), 3, 1000, 2) == 0
 
 

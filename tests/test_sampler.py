@@ -5,7 +5,7 @@ import math
 import torch
 
 from engine.sample import sampler
-from engine.sample.keys import noise_key
+from engine.sample.keys import noise_key, stream_uniform
 from engine.sampling_params import SamplingParams
 
 
@@ -117,6 +117,37 @@ def test_seeded_rows_reproducible_regardless_of_batch():
         return [sampler.sample(sampler.process_logits(big, t), t)[-1].item() for _ in range(1)]
 
     assert draw(1) == draw(5) == draw(9)
+
+
+def test_keyed_uniforms_are_the_keys_streams():
+    """All rows in one call, each the stream `keys.stream_uniform` defines, for keys across
+    [0, 2^63) (int64 arithmetic must wrap exactly as the 64-bit definition)."""
+    keys = [0, 1, noise_key(3, 0), noise_key(2**40, 7, 2), (1 << 63) - 1]
+    u = sampler.keyed_uniforms(keys, 5000, torch.device("cpu"))
+    assert u.shape == (5, 5000) and u.dtype == torch.float32
+    for r, key in enumerate(keys):
+        for j in (0, 1, 2, 999, 4999):
+            assert u[r, j].item() == stream_uniform(key, j), (key, j)
+    alone = sampler.keyed_uniforms(keys[2:3], 5000, torch.device("cpu"))
+    assert torch.equal(alone[0], u[2])  # a row's draws do not depend on the other rows
+
+
+def test_keyed_noise_is_uniform_then_exponential():
+    """The streams are U(0, 1) (Kolmogorov-Smirnov) and a keyed row's noise is Exp(1):
+    -log of them, the same draws whether the batch has unkeyed rows or not."""
+    n = 200_000
+    u = sampler.keyed_uniforms([noise_key(11, 5)], n, torch.device("cpu"))[0].double()
+    ks = (torch.arange(1, n + 1, dtype=torch.float64) / n - u.sort().values).abs().max()
+    assert ks < 1.63 / math.sqrt(n)  # 1% level
+    assert 0 < u.min() and u.max() < 1
+    key = noise_key(11, 6)
+    mixed = sampler.exponential_noise((3, 1000), [None, key, None], torch.device("cpu"),
+                                      torch.Generator().manual_seed(0))
+    alone = sampler.exponential_noise((1, 1000), [key], torch.device("cpu"), None)
+    assert torch.equal(mixed[1], alone[0])
+    assert torch.equal(alone[0], -sampler.keyed_uniforms([key], 1000, torch.device("cpu"))[0]
+                       .log())
+    assert abs(mixed[[0, 2]].mean().item() - 1) < 0.1
 
 
 def test_sampling_follows_the_distribution():

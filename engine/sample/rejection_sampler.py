@@ -21,7 +21,7 @@ emits exactly the tokens it would emit without speculation, whatever the drafts 
 
 Randomness: uniforms for acceptance and exponential noise for the final draw (the exponential
 race argmax(r / E) samples from normalize(r)). A seeded sequence draws them from position-keyed
-generators (`keys.noise_key`), so its tokens do not depend on the rest of the batch.
+streams (`keys.noise_key`), so its tokens do not depend on the rest of the batch.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch
 
 from engine.device_io import to_device
 from engine.sample.keys import ACCEPT, restream
-from engine.sample.sampler import exponential_noise, keyed_uniform
+from engine.sample.sampler import exponential_noise, keyed_uniforms
 
 PLACEHOLDER = -1
 
@@ -124,9 +124,15 @@ def _uniforms(shape: tuple[int, int], num_draft_tokens: list[int], by_pick: list
               device: torch.device) -> torch.Tensor:
     """[B, K] U(0, 1); a seeded sequence's uniform at each draft position is keyed by it."""
     uniform = torch.rand(shape, generator=default, device=device)
+    rows, cols, keyed = [], [], []
     for i, (k, pick, keys) in enumerate(zip(num_draft_tokens, by_pick, noise_keys)):
         if keys is not None and k and not pick:
-            uniform[i, :k] = keyed_uniform([restream(key, ACCEPT) for key in keys[:k]], device)
+            rows += [i] * k
+            cols += range(k)
+            keyed += [restream(key, ACCEPT) for key in keys[:k]]
+    if keyed:
+        index = to_device([rows, cols], torch.long, device)
+        uniform[index[0], index[1]] = keyed_uniforms(keyed, 1, device)[:, 0]
     return uniform
 
 

@@ -9,9 +9,9 @@ draft and target logits, so exactness holds for every sampling setting.
 
 Random draws use the exponential race: argmax(p / E) with E ~ Exp(1) i.i.d. is a sample from
 p. A seeded request's noise is position-keyed: the noise of the row that samples its output
-position t is drawn from a generator seeded with `keys.noise_key(seed, t)`, a pure function of the
-two, so its tokens depend neither on the batch nor on how many drafts earlier steps verified.
-Unseeded rows share the engine's stream.
+position t is -log of the uniform stream that starts at `keys.noise_key(seed, t)`, a pure
+function of the two, so its tokens depend neither on the batch nor on how many drafts earlier
+steps verified. Unseeded rows share the engine's stream.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from engine.device_io import to_device
+from engine.sample.keys import GOLDEN_GAMMA, MIX1, MIX2, UNIFORM_BITS
 from engine.sampling_params import SamplingParams
 
 
@@ -235,33 +236,51 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
     return logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
 
 
-_keyed_generators: dict[torch.device, torch.Generator] = {}
+def _signed(value: int) -> int:
+    """A 64-bit pattern as the int64 that holds it."""
+    return value - (1 << 64) if value >= 1 << 63 else value
 
 
-def keyed_generator(key: int, device: torch.device) -> torch.Generator:
-    """A generator in the state `key` defines (one per device, reseeded at each use)."""
-    gen = _keyed_generators.get(device)
-    if gen is None:
-        gen = _keyed_generators[device] = torch.Generator(device=device)
-    return gen.manual_seed(key)
+_GAMMA, _MIX1, _MIX2 = (_signed(c) for c in (GOLDEN_GAMMA, MIX1, MIX2))
+_column_steps: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _shift(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns (torch's `>>` is arithmetic)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def keyed_uniforms(keys: list[int], n: int, device: torch.device) -> torch.Tensor:
+    """[len(keys), n] U(0, 1): row r holds the first n draws of the SplitMix64 stream that
+    starts at keys[r] (`keys.stream_uniform` is the same definition in plain Python).
+
+    All rows in one set of elementwise ops (int64 arithmetic wraps modulo 2^64, as SplitMix64
+    wants), so the integer bits are the same on every device and the cost does not grow with a
+    launch per row."""
+    steps = _column_steps.get((n, device))
+    if steps is None:  # (j + 1) * gamma for j < n
+        steps = _column_steps[(n, device)] = (
+            torch.arange(1, n + 1, dtype=torch.int64, device=device) * _GAMMA)
+    x = steps[None, :] + to_device(keys, torch.int64, device)[:, None]
+    for bits, multiplier in ((30, _MIX1), (27, _MIX2)):
+        x ^= _shift(x, bits)
+        x *= multiplier
+    x ^= _shift(x, 31)
+    return _shift(x, 64 - UNIFORM_BITS).float().add_(0.5).mul_(2.0 ** -UNIFORM_BITS)
 
 
 def exponential_noise(shape: tuple[int, int], keys: list[int | None], device: torch.device,
                       default: torch.Generator | None) -> torch.Tensor:
-    """[R, V] i.i.d. Exp(1); a row with a key draws from the generator that key defines."""
-    noise = torch.empty(shape, dtype=torch.float32, device=device)
-    if any(key is None for key in keys):
-        noise.exponential_(generator=default)
-    for row, key in enumerate(keys):
-        if key is not None:
-            noise[row].exponential_(generator=keyed_generator(key, device))
+    """[R, V] i.i.d. Exp(1); a row with a key draws -log of its key's uniforms."""
+    keyed = [row for row, key in enumerate(keys) if key is not None]
+    if len(keyed) == len(keys):
+        return keyed_uniforms(keys, shape[1], device).log_().neg_()
+    noise = torch.empty(shape, dtype=torch.float32, device=device).exponential_(
+        generator=default)
+    if keyed:
+        noise[to_device(keyed, torch.long, device)] = keyed_uniforms(
+            [keys[row] for row in keyed], shape[1], device).log_().neg_()
     return noise
-
-
-def keyed_uniform(keys: list[int], device: torch.device) -> torch.Tensor:
-    """[len(keys)] U(0, 1), one draw from each key's generator."""
-    return torch.cat([torch.rand(1, generator=keyed_generator(key, device), device=device)
-                      for key in keys])
 
 
 def sample(processed: torch.Tensor, t: SamplingTensors,
