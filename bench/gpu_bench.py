@@ -16,6 +16,8 @@ Cases, prompt 512 random tokens, 256 new tokens, greedy, ignore_eos:
 - transformers continuous batching (`generate_batch`, paged attention), batch 32, end to end;
 - the roofline: (weight bytes + KV bytes read per step) over the measured device copy
   bandwidth, per batch size;
+- split-KV attention (`attention_kv_split` 512 against 0) at prompt 4096, 64 new tokens,
+  batch 1 and 8, decode tokens/s (CUDA only: the triton backend);
 - speculation at batch 1: the target's own weights as draft with k = 4 fixed, against the
   ideal its measured forward costs allow ((k + 1) tokens per target pass of k + 1 tokens plus
   k draft forwards of one); an unrelated random draft with adaptive k, against plain.
@@ -114,10 +116,13 @@ def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 def engine_for(model, args, spec: SpeculativeConfig | None = None, draft=None,
-               graphs: str = "auto") -> LLMEngine:
+               graphs: str = "auto", kv_split: int = 0,
+               batch_sizes: list[int] | None = None) -> LLMEngine:
+    extra = {"cuda_graph_batch_sizes": batch_sizes} if batch_sizes else {}
     return LLMEngine(EngineConfig(max_num_seqs=128, max_num_batched_tokens=8192,
                                   kv_cache_memory_gb=args.kv_gb, enable_prefix_caching=False,
-                                  cuda_graphs=graphs, speculative=spec or SpeculativeConfig()),
+                                  cuda_graphs=graphs, attention_kv_split=kv_split,
+                                  speculative=spec or SpeculativeConfig(), **extra),
                      model=model, draft_model=draft)
 
 
@@ -244,7 +249,28 @@ def main() -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
+    # split-KV at a long context, batch 1 and 8: attention_kv_split 512 against one split
+    # (the triton backend only: on CUDA)
     shape = "qwen2.5-coder-1.5b"
+    if device.type == "cuda":
+        long = argparse.Namespace(**vars(args))
+        long.prompt_len, long.new_tokens = (256, 16) if args.smoke else (4096, 64)
+        model = build(shape, device, 0, args.smoke)
+        for split in (0, 512):
+            engine = engine_for(model, long, kv_split=split, batch_sizes=[1, 8])
+            for b in (1, 8):
+                r = ours(engine, b, long, clock, seed=b)
+                rows.append((shape, f"ours, CUDA graphs, prompt {long.prompt_len}, "
+                             f"attention_kv_split {split}", b, r["decode_tok_s"], None,
+                             r["e2e_tok_s"]))
+                result[f"split{split}_b{b}"] = r["decode_tok_s"]
+                print(rows[-1], flush=True)
+            del engine
+            gc.collect()
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+
     hf = build(shape, device, 0, args.smoke)
     tok_s, note = hf_static_compiled(hf, args, clock)
     rows.append((shape, f"transformers generate, {note}", 1, tok_s, None, None))
@@ -310,6 +336,9 @@ def main() -> int:
             f"{'n/a' if cb is None else format(result[f'ours_e2e_b{cb_batch}'] / cb, '.2f')} "
             f"spec_ideal_fraction={result['spec_ideal']:.2f} "
             f"spec_off_ratio={result['spec_off']:.2f}")
+    if "split512_b1" in result:  # not a target: decides attention_kv_split's default
+        line += (f" split_kv_b1_long={result['split512_b1'] / result['split0_b1']:.2f}"
+                 f" split_kv_b8_long={result['split512_b8'] / result['split0_b8']:.2f}")
     print(table)
     print(line)
     details = [f"device: {name}, copy bandwidth {bw / 1e9:.0f} GB/s",

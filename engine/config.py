@@ -121,6 +121,9 @@ class EngineConfig:
     # auto: the Triton paged-attention kernel on CUDA (when triton is installed), PyTorch SDPA
     # on CPU | sdpa | triton (on CPU only through Triton's interpreter: slow, for tests)
     attention_backend: str = "auto"
+    # triton backend: compute generated tokens' rows in splits of this many keys (split-KV,
+    # for long contexts at small batch; a multiple of 32) | 0: one split (the default)
+    attention_kv_split: int = 0
     # steps of short sequences (decode, verification of 1 + k, draft steps) in padded static
     # buckets of these batch sizes x (1 + k_max) tokens: auto = captured as CUDA graphs on CUDA
     # with the triton backend, off elsewhere | off | static (the buckets without capture, on
@@ -157,6 +160,11 @@ class EngineConfig:
         if self.attention_backend not in ("auto", "sdpa", "triton"):
             raise ValueError(f"invalid engine config attention_backend: "
                              f"{self.attention_backend!r}; use auto, sdpa or triton")
+        if (not isinstance(self.attention_kv_split, int) or self.attention_kv_split < 0
+                or self.attention_kv_split % 32):
+            raise ValueError(f"invalid engine config attention_kv_split: "
+                             f"{self.attention_kv_split!r}; use 0 (off) or a positive multiple "
+                             f"of 32")
         if self.cuda_graphs not in ("auto", "off", "static"):
             raise ValueError(f"invalid engine config cuda_graphs: {self.cuda_graphs!r}; use "
                              f"auto, off or static")

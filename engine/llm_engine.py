@@ -99,7 +99,8 @@ class LLMEngine:
                                   config.block_size,
                                   cpu_matmul_autotune=config.cpu_matmul_autotune,
                                   batch_invariant=config.batch_invariant,
-                                  attention_backend=config.attention_backend)
+                                  attention_backend=config.attention_backend,
+                                  attention_kv_split=config.attention_kv_split)
         if plan:
             num_blocks = self._plan_memory(models)
             self.runner.resize_kv(num_blocks)
@@ -197,6 +198,13 @@ class LLMEngine:
             sizes, tokens, ModelShape.of(m).vocab_size,
             m.get_input_embeddings().weight.element_size()) for m in models)
         graphs += bucket_peak * len(models) if captured else 0  # each runner's graph pool
+        if captured and cfg.attention_kv_split:  # the buckets' split partials (not measured:
+            for m in models:  # the measured steps have no generated rows)
+                text = m.config.get_text_config()
+                longest = self._max_model_len(m, 1 << 40)
+                graphs += memory_plan.split_partial_bytes(
+                    max(sizes) * tokens, text.num_attention_heads, ModelShape.of(m).head_dim,
+                    -(-longest // cfg.attention_kv_split))
         free, total = torch.cuda.mem_get_info(device)
         cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         profile_kv = runner.kv.num_blocks * self._bytes_per_block([models[0]])

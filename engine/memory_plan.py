@@ -4,7 +4,8 @@ Everything else the engine keeps on the device comes before the pool: the weight
 already), the activation peak of the largest step (an eager prompt chunk of
 `max_num_batched_tokens`, or the largest static bucket), and what the CUDA graphs keep: the
 output logits all buckets share ([largest sequences x tokens, vocab], for the target and the
-draft model), plus each runner's graph memory pool, about one largest-bucket forward. The
+draft model), plus each runner's graph memory pool, about one largest-bucket forward (with
+split-KV attention, plus its partials over the longest context the buckets cover). The
 pool gets `kv_cache_memory_gb`, or less when that does not fit under `gpu_memory_utilization`
 of the device's memory (logged); a pool of no room is an error that
 names the setting to change. On the CPU the pool is simply `kv_cache_memory_gb`.
@@ -44,6 +45,12 @@ def graph_output_bytes(batch_sizes: tuple[int, ...], tokens_per_seq: int, vocab_
     """What the captured buckets' output logits keep: one [largest size x tokens_per_seq,
     vocab] tensor in the model's dtype, which every bucket writes (static_steps.py)."""
     return max(batch_sizes, default=0) * tokens_per_seq * vocab_size * itemsize
+
+
+def split_partial_bytes(rows: int, heads: int, head_dim: int, num_splits: int) -> int:
+    """What split-KV attention allocates during a static bucket's layer: float32 partials
+    (max, sum, weighted values) of `rows` rows x heads x the bucket's split axis."""
+    return rows * heads * num_splits * (head_dim + 2) * 4
 
 
 def plan_kv_bytes(requested: int, total: int, in_use: int, utilization: float,

@@ -85,12 +85,13 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int,
                  backend: paged.AttentionBackend | None = None,
                  cpu_matmul_autotune: bool = False, batch_invariant: bool = False,
-                 attention_backend: str = "auto") -> None:
+                 attention_backend: str = "auto", attention_kv_split: int = 0) -> None:
         """batch_invariant: measure and install the rule of engine/kernels/batch_invariant.py
         (a row's logits never depend on the other rows of the step); it replaces the CPU
         matmul autotune, whose few-row forms change the reduction with the row count.
         attention_backend: auto (triton on CUDA when installed, else sdpa) | sdpa | triton;
-        ignored when `backend` is given."""
+        ignored when `backend` is given. attention_kv_split: the triton backend's split-KV
+        keys per split (0: off)."""
         if getattr(model.config, "is_encoder_decoder", False):
             raise ValueError("only decoder-only causal language models are supported")
         model.set_attn_implementation(paged.register())
@@ -98,6 +99,10 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.attention_backend = (type(backend).__name__ if backend is not None
                                   else resolve_attention_backend(attention_backend, self.device))
+        if backend is None and attention_kv_split and self.attention_backend != "triton":
+            raise ValueError(f"invalid engine config attention_kv_split: {attention_kv_split} "
+                             f"needs attention_backend triton (this runner uses "
+                             f"{self.attention_backend})")
         self.invariance = None
         if batch_invariant:
             from engine.kernels.batch_invariant import make_batch_invariant
@@ -111,7 +116,7 @@ class ModelRunner:
         if backend is None and self.attention_backend == "triton":
             from engine.attention.triton_backend import TritonBackend
 
-            backend = TritonBackend()
+            backend = TritonBackend(attention_kv_split)
         self.dtype = model.get_input_embeddings().weight.dtype  # also for quantized linears
         self.shape = ModelShape.of(model)
         if backend is None:

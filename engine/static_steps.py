@@ -51,7 +51,7 @@ class StaticSteps:
 
     def __init__(self, runner, batch_sizes: tuple[int, ...], tokens_per_seq: int,
                  max_blocks_per_seq: int, capture: bool) -> None:
-        from engine.attention.triton_backend import TritonBackend, TritonMetadata
+        from engine.attention.triton_backend import SplitRows, TritonBackend, TritonMetadata
 
         if not isinstance(runner.kv.backend, TritonBackend):
             raise ValueError("static steps (cuda_graphs) need attention_backend triton")
@@ -62,7 +62,8 @@ class StaticSteps:
         self.capture = capture
         self.scratch_slot = runner.kv.scratch_block * runner.block_size
         self._buckets: dict[tuple[int, int], Bucket] = {}
-        self._meta_cls = TritonMetadata
+        self._meta_cls, self._splits_cls = TritonMetadata, SplitRows
+        self.kv_split = runner.kv.backend.kv_split  # split-KV: every row may be a partial
         self.pool = None  # the graphs' shared memory pool
         self.out: torch.Tensor | None = None  # [max S*Q, V] every bucket's logits (shared)
         self.num_replays = 0
@@ -90,13 +91,20 @@ class StaticSteps:
 
     def _new_bucket(self, seqs: int, tokens: int) -> Bucket:
         dev, rows = self.runner.device, seqs * tokens
+        splits = None
+        if self.kv_split:  # row r's partial is r; the split axis covers the longest context
+            splits = self._splits_cls(
+                torch.full((rows,), -1, dtype=torch.int32, device=dev),
+                torch.arange(rows, dtype=torch.int32, device=dev),
+                torch.zeros(rows, dtype=torch.int32, device=dev),
+                -(-self.width * self.runner.block_size // self.kv_split))
         meta = self._meta_cls(
             slot_mapping=torch.full((rows,), self.scratch_slot, dtype=torch.long, device=dev),
             q_start=torch.arange(0, rows, tokens, dtype=torch.int32, device=dev),
             q_len=torch.zeros(seqs, dtype=torch.int32, device=dev),
             ctx_len=torch.zeros(seqs, dtype=torch.int32, device=dev),
             block_tables=torch.zeros(seqs, self.width, dtype=torch.int32, device=dev),
-            max_q_len=tokens, block_size=self.runner.block_size)
+            max_q_len=tokens, block_size=self.runner.block_size, splits=splits)
         return Bucket(seqs, tokens, torch.zeros(1, rows, dtype=torch.long, device=dev),
                       torch.zeros(1, rows, dtype=torch.long, device=dev),
                       torch.arange(rows, dtype=torch.long, device=dev), meta)
@@ -148,6 +156,8 @@ class StaticSteps:
         q_len = np.zeros(b.seqs, dtype=np.int32)
         ctx = np.zeros(b.seqs, dtype=np.int32)
         tables = np.zeros((b.seqs, self.width), dtype=np.int32)
+        part_of_row = np.full(rows, -1, dtype=np.int32)
+        part_splits = np.zeros(rows, dtype=np.int32)
         wanted, offsets, real = [], [0], []
         for i, it in enumerate(items):
             n, lo = len(it.token_ids), i * b.tokens
@@ -158,6 +168,10 @@ class StaticSteps:
             slots[lo:lo + n] = table[p // bs] * bs + p % bs
             q_len[i], ctx[i] = n, it.start + n
             tables[i, :len(table)] = table
+            if self.kv_split and it.prompt_len is not None:
+                split = lo + np.nonzero(p >= it.prompt_len)[0]
+                part_of_row[split] = split
+                part_splits[split] = p[split - lo] // self.kv_split + 1
             wanted += range(lo + n - it.num_rows, lo + n)
             real += range(lo, lo + n)
             offsets.append(offsets[-1] + it.num_rows)
@@ -165,6 +179,9 @@ class StaticSteps:
         for dst, src in ((b.input_ids[0], ids), (b.positions[0], pos), (m.slot_mapping, slots),
                          (m.q_len, q_len), (m.ctx_len, ctx), (m.block_tables, tables)):
             copy_in(dst, src)
+        if m.splits is not None:
+            copy_in(m.splits.part_of_row, part_of_row)
+            copy_in(m.splits.part_splits, part_splits)
         if device_tokens is not None:
             rows_at = [real[j] for j in device_tokens.index]
             b.input_ids[0].index_copy_(0, to_device(rows_at, torch.long, self.runner.device),

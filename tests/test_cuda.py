@@ -32,14 +32,16 @@ def test_auto_picks_the_triton_backend_on_cuda():
         eng.runner.invariance.problems
 
 
-@pytest.mark.parametrize("method", ["draft_model", "ngram", "suffix", "hybrid"])
-def test_bf16_greedy_with_speculation_equals_plain_alone_and_batched(method):
+@pytest.mark.parametrize("method,kv_split", [("draft_model", 0), ("ngram", 0), ("suffix", 0),
+                                             ("hybrid", 0), ("draft_model", 32)])
+def test_bf16_greedy_with_speculation_equals_plain_alone_and_batched(method, kv_split):
+    """kv_split 32: split-KV attention over contexts of up to 5 splits."""
     prompts = random_prompts([5, 40, 17, 90, 3, 64, 28, 11], seed=3)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    plain_eng = engine(fresh())
+    plain_eng = engine(fresh(), attention_kv_split=kv_split)
     plain = [plain_eng.generate([p], params)[0].output_token_ids for p in prompts]
     draft = fresh(seed=1) if method in ("draft_model", "hybrid") else None
-    eng = engine(fresh(), method, draft)
+    eng = engine(fresh(), method, draft, attention_kv_split=kv_split)
     assert [o.output_token_ids for o in staggered(eng, prompts, [params] * len(prompts))] \
         == plain
     assert [eng.generate([p], params)[0].output_token_ids for p in prompts] == plain

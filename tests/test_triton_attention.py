@@ -18,12 +18,13 @@ pytestmark = [pytest.mark.cuda,
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def attention(backend, q, k_cache, v_cache, spans, block_size):
+def attention(backend, q, k_cache, v_cache, spans, block_size, prompt_len=None):
     """Run one layer's attention for `spans` ((first position, new tokens, block table) per
-    sequence); q holds every new token's query, in order."""
+    sequence); q holds every new token's query, in order. Rows at positions >= prompt_len are
+    generated tokens' (split by a split-KV backend)."""
     seq_spans, slots, start = [], [], 0
     for first, q_len, table in spans:
-        seq_spans.append(SeqSpan(start, q_len, first + q_len, table))
+        seq_spans.append(SeqSpan(start, q_len, first + q_len, table, prompt_len))
         slots += [table[p // block_size] * block_size + p % block_size
                   for p in range(first, first + q_len)]
         start += q_len
@@ -64,9 +65,11 @@ def test_kernel_matches_sdpa_on_a_ragged_batch(dtype, atol, heads, kv_heads, hea
     torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=0)
 
 
-def test_kernel_rows_do_not_depend_on_the_batch():
+@pytest.mark.parametrize("kv_split,prompt_len", [(0, None), (32, 30), (64, 0)])
+def test_kernel_rows_do_not_depend_on_the_batch(kv_split, prompt_len):
     """Every token's output has the same bits computed in a whole prompt, as decodes, inside
-    verifications, in prompt chunks with a past, and beside other sequences."""
+    verifications, in prompt chunks with a past, and beside other sequences; with split-KV too
+    (its generated rows split at fixed boundaries, its prompt rows whole)."""
     g = torch.Generator().manual_seed(2)
     n, block_size, heads, kv_heads, d = 90, 16, 4, 2, 64
     table = shuffled_tables(1, -(-n // block_size))[0]
@@ -74,12 +77,13 @@ def test_kernel_rows_do_not_depend_on_the_batch():
         k_cache = torch.randn(len(table) * block_size, kv_heads, d, generator=g).to(dtype)
         v_cache = torch.randn(len(table) * block_size, kv_heads, d, generator=g).to(dtype)
         q = torch.randn(n, heads, d, generator=g).to(dtype)
-        backend = TritonBackend()
+        backend = TritonBackend(kv_split)
 
         def run(layout, backend=backend, q=q, k_cache=k_cache, v_cache=v_cache):
             positions = [p for first, q_len in layout for p in range(first, first + q_len)]
             out = attention(backend, q[positions].to(DEVICE), k_cache.to(DEVICE),
-                            v_cache.to(DEVICE), [(f, m, table) for f, m in layout], block_size)
+                            v_cache.to(DEVICE), [(f, m, table) for f, m in layout], block_size,
+                            prompt_len)
             return positions, out
 
         _, whole = run([(0, n)])
@@ -89,6 +93,39 @@ def test_kernel_rows_do_not_depend_on_the_batch():
                        [(n - 20, 20), (4, 1), (30, 3), (61, 9)]):
             positions, out = run(layout)
             assert torch.equal(out, whole[positions]), (dtype, layout)
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("kv_split", [32, 64])
+def test_split_kv_matches_sdpa_and_one_split_keeps_the_bits(dtype, atol, kv_split):
+    """Split-KV over contexts of up to 4 splits equals SDPA; prompt rows, and generated rows
+    whose keys fit in one split, have exactly the bits of the kernel without splits."""
+    g = torch.Generator().manual_seed(3)
+    heads, kv_heads, head_dim, block_size, prompt_len = 6, 2, 64, 16, 20
+    shape = [(37, 1), (20, 5), (16, 40), (0, 23), (120, 1), (3, 1), (60, 3)]
+    max_ctx = max(f + n for f, n in shape)
+    blocks_each = -(-max_ctx // block_size)
+    tables = shuffled_tables(len(shape), blocks_each, seed=1)
+    spans = [(f, n, t) for (f, n), t in zip(shape, tables)]
+    num_slots = len(shape) * blocks_each * block_size
+    k_cache = torch.randn(num_slots, kv_heads, head_dim, generator=g).to(dtype).to(DEVICE)
+    v_cache = torch.randn(num_slots, kv_heads, head_dim, generator=g).to(dtype).to(DEVICE)
+    q = torch.randn(sum(n for _, n in shape), heads, head_dim, generator=g).to(dtype).to(DEVICE)
+    split = attention(TritonBackend(kv_split), q, k_cache, v_cache, spans, block_size,
+                      prompt_len)
+    want = attention(SDPABackend(), q, k_cache, v_cache, spans, block_size)
+    torch.testing.assert_close(split.float(), want.float(), atol=atol, rtol=0)
+    one = attention(TritonBackend(), q, k_cache, v_cache, spans, block_size)
+    positions = torch.tensor([p for f, n in shape for p in range(f, f + n)])
+    same = (positions < prompt_len) | (positions < kv_split)
+    assert torch.equal(split[same.to(DEVICE)], one[same.to(DEVICE)])
+    if dtype == torch.float32:  # rows over several splits reduce differently (in bf16 the
+        assert not torch.equal(split, one)  # difference may round away)
+
+
+def test_split_kv_must_be_a_multiple_of_the_key_tile():
+    with pytest.raises(ValueError, match="attention_kv_split"):
+        TritonBackend(48)
 
 
 def test_engine_on_the_triton_backend_matches_sdpa_and_speculates_exactly():
@@ -189,3 +226,47 @@ def test_static_steps_equal_eager_seeded_at_bucket_edges_while_the_batch_shrinks
     assert eng.speculator.stats.num_draft_tokens > 0
     assert eng.speculator.proposer.runner.static.num_static > 0
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+
+
+def test_split_kv_engine_output_does_not_change_with_speculation_batching_or_buckets():
+    """attention_kv_split 32 on contexts of up to 2 splits: greedy output is the same plain
+    and eager, with prompt lookup (eager verifications), with a draft model in static buckets,
+    and batched beside repeats of its prompts; a preempted sequence's recompute (a prompt
+    chunk holding generated rows) splits them as its decodes did."""
+    from engine.config import SpeculativeConfig
+
+    target = build_tiny_model("qwen2")
+    draft = build_tiny_model("qwen2", seed=1)
+    prompts = random_prompts([3, 33, 24], seed=7)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    def engine(graphs, method, **kw):
+        spec = SpeculativeConfig(method=method, k_max=3, adaptive=False, calibrate=False,
+                                 draft_model="in-memory" if method == "draft_model" else None)
+        cfg = dict(num_blocks=64, attention_backend="triton", attention_kv_split=32,
+                   max_model_len=64, cuda_graphs=graphs, cuda_graph_batch_sizes=[1, 2, 8],
+                   batch_invariant=False, speculative=spec)
+        cfg.update(kw)
+        return LLMEngine(EngineConfig(**cfg), model=clone_model(target),
+                         draft_model=clone_model(draft) if method == "draft_model" else None)
+
+    plain = engine("off", "none")
+    assert plain.runner.kv.backend.kv_split == 32
+    want = [o.output_token_ids for o in plain.generate(prompts, params)]
+    ngram = engine("off", "ngram")
+    assert [o.output_token_ids for o in ngram.generate(prompts, params)] == want
+    static = engine("static", "draft_model")
+    got = static.generate(prompts + prompts[:2], params)
+    assert [o.output_token_ids for o in got] == want + want[:2]
+    assert static.runner.static.num_static > 0
+    tight = engine("off", "none", num_blocks=7, block_size=8)  # 56 slots: preemptions
+    assert [o.output_token_ids for o in tight.generate(prompts, params)] == want
+    assert tight.scheduler.stats.num_preemptions > 0
+
+
+def test_split_kv_needs_the_triton_backend():
+    with pytest.raises(ValueError, match="attention_kv_split"):
+        LLMEngine(EngineConfig(num_blocks=16, attention_backend="sdpa", attention_kv_split=32),
+                  model=build_tiny_model("qwen2"))
+    with pytest.raises(ValueError, match="attention_kv_split"):
+        EngineConfig(attention_kv_split=40)

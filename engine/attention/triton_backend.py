@@ -14,9 +14,18 @@ tiles (never chosen from the batch), each score is a dot product over the head d
 the tiles a row does not attend to (past its position, when the tile's last row attends
 further) are fully masked: they add exact zeros and rescale by exactly 1. So a token's output
 has the same bits as a decode, inside a verification, inside a prompt chunk or beside any
-other sequences. There is no split-KV variant: splitting a long context across programs
-would need split sizes fixed per sequence length to stay invariant, and it could not be timed
-without a GPU.
+other sequences.
+
+Split-KV (flash-decoding, `attention_kv_split` keys per split, off by default): a few decode
+rows over a long context give the one-split kernel too few programs to fill a GPU, so each
+generated token's row (position >= its sequence's prompt length, as `SeqSpan.prompt_len`
+says) is computed in splits of `kv_split` keys at fixed absolute boundaries [s * split,
+(s + 1) * split): one program per split writes the row's partial (max, sum, weighted values)
+in float32, and a second kernel combines the row's splits 0..n-1 in order. The boundaries
+depend on the position alone, never on the batch or the step, so the row's bits are the same
+in a decode, a verification or a prompt chunk that recomputes it; prompt rows keep the
+one-split loop, so a prompt chunk needs no partials. A row whose keys fit in one split gets
+exactly the bits of the one-split kernel (its combine multiplies by exp(0) = 1).
 
 Runs wherever Triton runs: CUDA, and on CPU through Triton's interpreter
 (`TRITON_INTERPRET=1`, how the tests run it). All metadata are device tensors built once per
@@ -58,14 +67,20 @@ if triton is not None:
     def _paged_attention_kernel(
             q_ptr, k_ptr, v_ptr, o_ptr,  # q, o: [T, H, D]; k, v: [slots, KVH, D]
             q_start_ptr, q_len_ptr, ctx_len_ptr, tables_ptr,  # [B], [B], [B], [B, max_blocks]
-            scale,
+            part_of_row_ptr, m_part_ptr, l_part_ptr, acc_part_ptr,  # SPLIT > 0: [T]; partials
+            num_splits, num_heads, scale,
             stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh, stride_tb,
             GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-            UPCAST: tl.constexpr):
+            UPCAST: tl.constexpr, SPLIT: tl.constexpr):
         seq = tl.program_id(0)
         head = tl.program_id(1)
-        tile = tl.program_id(2)
+        if SPLIT > 0:  # axis 2: tile x split
+            tile = tl.program_id(2) // num_splits
+            split = tl.program_id(2) % num_splits
+        else:
+            tile = tl.program_id(2)
+            split = 0
         q_len = tl.load(q_len_ptr + seq)
         if tile * BLOCK_M < q_len:
             q_start = tl.load(q_start_ptr + seq)
@@ -82,9 +97,19 @@ if triton is not None:
             m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
             l_i = tl.zeros([BLOCK_M], tl.float32)
             acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-            # keys up to the tile's last real row; rows before it mask the rest exactly
-            num_keys = tl.minimum(ctx_len - q_len + (tile + 1) * BLOCK_M, ctx_len)
-            for start in range(0, num_keys, BLOCK_N):
+            # each row attends keys [lo, row_end): its whole causal range, or (split rows) the
+            # part of it inside this program's split
+            if SPLIT > 0:
+                part = tl.load(part_of_row_ptr + q_start + offs_m, mask=row_ok, other=-1)
+                lo = split * SPLIT
+                row_end = tl.where(part >= 0, tl.minimum(lo + SPLIT, q_pos + 1),
+                                   tl.where(split == 0, q_pos + 1, 0))
+            else:
+                lo = 0
+                row_end = q_pos + 1
+            row_end = tl.where(row_ok, row_end, 0)
+            # keys up to the tile's furthest row; the other rows mask the rest exactly
+            for start in range(lo, tl.max(row_end, 0), BLOCK_N):
                 offs_n = start + tl.arange(0, BLOCK_N)
                 key_ok = offs_n < ctx_len
                 block = tl.load(tables_ptr + seq * stride_tb + offs_n // BLOCK_SIZE,
@@ -99,7 +124,7 @@ if triton is not None:
                 else:
                     s = tl.dot(q, k)
                 s = s * scale
-                attend = (offs_n[None, :] <= q_pos[:, None]) & key_ok[None, :]
+                attend = offs_n[None, :] < row_end[:, None]
                 s = tl.where(attend, s, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, 1))
                 m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet
@@ -117,8 +142,41 @@ if triton is not None:
                 acc = acc * alpha[:, None] + pv
                 m_i = m_new
             out = acc / l_i[:, None]
+            whole = row_ok
+            if SPLIT > 0:
+                whole = row_ok & (part < 0) & (offs_m * 0 + split == 0)
+                at = (part.to(tl.int64) * num_heads + head) * num_splits + split
+                in_part = row_ok & (part >= 0) & (row_end > lo)  # the row has keys here
+                tl.store(m_part_ptr + at, m_i, mask=in_part)
+                tl.store(l_part_ptr + at, l_i, mask=in_part)
+                tl.store(acc_part_ptr + at[:, None] * HEAD_DIM + offs_d[None, :], acc,
+                         mask=in_part[:, None])
             tl.store(o_ptr + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh
-                     + offs_d[None, :], out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+                     + offs_d[None, :], out.to(o_ptr.dtype.element_ty), mask=whole[:, None])
+
+    @triton.jit
+    def _combine_splits_kernel(
+            m_part_ptr, l_part_ptr, acc_part_ptr, o_ptr,  # partials [P, H, S(, D)]; o [T, H, D]
+            part_row_ptr, part_splits_ptr,  # [P] the row of each partial, its splits (0: none)
+            num_splits, num_heads, stride_ot, stride_oh, HEAD_DIM: tl.constexpr):
+        p = tl.program_id(0)
+        head = tl.program_id(1)
+        n = tl.load(part_splits_ptr + p)
+        if n > 0:
+            row = tl.load(part_row_ptr + p)
+            at = (p.to(tl.int64) * num_heads + head) * num_splits
+            offs_d = tl.arange(0, HEAD_DIM)
+            m = tl.load(m_part_ptr + at)
+            for s in range(1, n):
+                m = tl.maximum(m, tl.load(m_part_ptr + at + s))
+            total = tl.zeros([HEAD_DIM], tl.float32)  # the sum of weights, in every lane
+            acc = tl.zeros([HEAD_DIM], tl.float32)
+            for s in range(0, n):  # in split order, always
+                w = tl.exp(tl.load(m_part_ptr + at + s) - m)
+                total += tl.load(l_part_ptr + at + s) * w
+                acc += tl.load(acc_part_ptr + (at + s) * HEAD_DIM + offs_d) * w
+            tl.store(o_ptr + row * stride_ot + head * stride_oh + offs_d,
+                     (acc / total).to(o_ptr.dtype.element_ty))
 
 
 class TritonMetadata(AttentionMetadata):
@@ -126,20 +184,60 @@ class TritonMetadata(AttentionMetadata):
 
     def __init__(self, slot_mapping: torch.Tensor, q_start: torch.Tensor, q_len: torch.Tensor,
                  ctx_len: torch.Tensor, block_tables: torch.Tensor, max_q_len: int,
-                 block_size: int) -> None:
+                 block_size: int, splits: SplitRows | None = None) -> None:
         super().__init__(slot_mapping=slot_mapping)
         self.q_start, self.q_len, self.ctx_len = q_start, q_len, ctx_len
         self.block_tables = block_tables  # [B, blocks of the longest context] int32
         self.max_q_len = max_q_len  # sizes the grid (known on the host: no sync)
         self.block_size = block_size
+        self.splits = splits  # split-KV: which rows are split, and into how many
+
+
+class SplitRows:
+    """Split-KV metadata: the rows computed in splits (generated tokens' rows) and their
+    partials. part_of_row [T] int32: the row's partial index, -1 for a row computed whole;
+    part_row [P] int32: the row of each partial; part_splits [P] int32: its splits (position //
+    split + 1; 0 for an unused partial); num_splits: the partials' split axis (>= every
+    part_splits)."""
+
+    def __init__(self, part_of_row: torch.Tensor, part_row: torch.Tensor,
+                 part_splits: torch.Tensor, num_splits: int) -> None:
+        self.part_of_row, self.part_row, self.part_splits = part_of_row, part_row, part_splits
+        self.num_splits = num_splits
+
+    @staticmethod
+    def host_arrays(spans: list[SeqSpan], num_rows: int, split: int
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(part_of_row [num_rows], part_row, part_splits) for `spans`, partials in row order;
+        rows at positions >= their span's prompt length are split."""
+        part_of_row = np.full(num_rows, -1, dtype=np.int32)
+        rows, splits = [], []
+        for s in spans:
+            if s.prompt_len is None:
+                continue
+            pos = np.arange(s.ctx_len - s.q_len, s.ctx_len)
+            generated = np.nonzero(pos >= s.prompt_len)[0]
+            rows.append(s.q_start + generated)
+            splits.append(pos[generated] // split + 1)
+        part_row = np.concatenate(rows).astype(np.int32) if rows else np.zeros(0, np.int32)
+        part_splits = (np.concatenate(splits).astype(np.int32) if splits
+                       else np.zeros(0, np.int32))
+        part_of_row[part_row] = np.arange(len(part_row), dtype=np.int32)
+        return part_of_row, part_row, part_splits
 
 
 class TritonBackend(AttentionBackend):
-    """Paged attention in one Triton kernel per layer (see the module docstring)."""
+    """Paged attention in one Triton kernel per layer (see the module docstring).
 
-    def __init__(self) -> None:
+    kv_split: 0, or the keys per split of the split-KV variant (a multiple of BLOCK_N)."""
+
+    def __init__(self, kv_split: int = 0) -> None:
         if triton is None:
             raise RuntimeError("attention_backend triton needs the `triton` package")
+        if kv_split < 0 or kv_split % BLOCK_N:
+            raise ValueError(f"invalid engine config attention_kv_split: {kv_split}; use 0 "
+                             f"(off) or a positive multiple of {BLOCK_N}")
+        self.kv_split = kv_split
 
     def build_metadata(self, spans: list[SeqSpan], slot_mapping: list[int], block_size: int,
                        device: torch.device) -> TritonMetadata:
@@ -152,9 +250,18 @@ class TritonBackend(AttentionBackend):
             used = -(-s.ctx_len // block_size)
             tables[i, :used] = s.block_table[:used]
         seq = to_device(per_seq, torch.int32, device)
+        splits = None
+        if self.kv_split:
+            part_of_row, part_row, part_splits = SplitRows.host_arrays(
+                spans, len(slot_mapping), self.kv_split)
+            parts = to_device(np.concatenate([part_of_row, part_row, part_splits]), torch.int32,
+                              device)
+            t, p = len(part_of_row), len(part_row)
+            splits = SplitRows(parts[:t], parts[t:t + p], parts[t + p:],
+                               max(1, int(part_splits.max(initial=1))))
         return TritonMetadata(to_device(slot_mapping, torch.long, device), seq[0], seq[1],
                               seq[2], to_device(tables, torch.int32, device),
-                              max(s.q_len for s in spans), block_size)
+                              max(s.q_len for s in spans), block_size, splits)
 
     def forward(self, query, key, value, k_cache, v_cache, meta, scaling):
         # query: [1, heads, T, D]; k_cache/v_cache: [slots, kv_heads, D] (this layer's)
@@ -164,14 +271,31 @@ class TritonBackend(AttentionBackend):
             raise ValueError(f"triton attention: head_dim {head_dim} not supported; use sdpa")
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         batch = meta.q_len.shape[0]
-        grid = (batch, num_heads, triton.cdiv(meta.max_q_len, BLOCK_M))
-        _paged_attention_kernel[grid](
+        tiles = triton.cdiv(meta.max_q_len, BLOCK_M)
+        sp = meta.splits if self.kv_split else None
+        if sp is not None and sp.part_row.shape[0]:
+            num_splits, num_parts = sp.num_splits, sp.part_row.shape[0]
+            m_part = torch.empty((num_parts, num_heads, num_splits), dtype=torch.float32,
+                                 device=q.device)
+            l_part = torch.empty_like(m_part)
+            acc_part = torch.empty(m_part.shape + (head_dim,), dtype=torch.float32,
+                                   device=q.device)
+            part_of_row = sp.part_of_row
+        else:  # no row is split: the one-split kernel (the pointers below are never read)
+            sp, num_splits, num_parts = None, 1, 0
+            m_part = l_part = acc_part = part_of_row = out
+        _paged_attention_kernel[(batch, num_heads, tiles * num_splits)](
             q, k_cache, v_cache, out, meta.q_start, meta.q_len, meta.ctx_len,
-            meta.block_tables, scaling,
+            meta.block_tables, part_of_row, m_part, l_part, acc_part, num_splits, num_heads,
+            scaling,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
             out.stride(0), out.stride(1), meta.block_tables.stride(0),
             GROUP=num_heads // k_cache.shape[1], BLOCK_SIZE=meta.block_size,
             HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-            IEEE=q.dtype == torch.float32 or INTERPRETED, UPCAST=INTERPRETED)
+            IEEE=q.dtype == torch.float32 or INTERPRETED, UPCAST=INTERPRETED,
+            SPLIT=self.kv_split if sp is not None else 0)
+        if num_parts:
+            _combine_splits_kernel[(num_parts, num_heads)](
+                m_part, l_part, acc_part, out, sp.part_row, sp.part_splits, num_splits,
+                num_heads, out.stride(0), out.stride(1), HEAD_DIM=head_dim)
         return out[None]  # [1, T, heads, D]
-

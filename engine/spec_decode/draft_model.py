@@ -58,7 +58,8 @@ class DraftModelProposer(Proposer):
                  block_manager: BlockManager, target_vocab_size: int,
                  tokenizer_size: int | None = None, seed: int = 0,
                  cpu_matmul_autotune: bool = False, stop_confidence: float = 0.0,
-                 attention_backend: str = "auto", coupled: bool = True,
+                 attention_backend: str = "auto", attention_kv_split: int = 0,
+                 coupled: bool = True,
                  defer_reads: bool | None = None) -> None:
         """defer_reads: chain the k draft forwards on the device and read their tokens once at
         the end (None: on CUDA, where each read waits for the device; on the CPU a read costs
@@ -67,7 +68,8 @@ class DraftModelProposer(Proposer):
         check_vocab(draft_vocab, target_vocab_size, tokenizer_size)
         self.runner = ModelRunner(model, num_blocks, block_size,
                                   cpu_matmul_autotune=cpu_matmul_autotune,
-                                  attention_backend=attention_backend)
+                                  attention_backend=attention_backend,
+                                  attention_kv_split=attention_kv_split)
         self.block_manager = block_manager
         self.target_vocab_size = target_vocab_size
         self.valid_vocab = min(draft_vocab, target_vocab_size, tokenizer_size or draft_vocab)

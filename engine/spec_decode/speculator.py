@@ -297,6 +297,7 @@ def build_speculator(config: EngineConfig, target: ModelRunner, block_manager: B
             cpu_matmul_autotune=config.cpu_matmul_autotune,
             stop_confidence=speculative.draft_stop_confidence,
             attention_backend=config.attention_backend,
+            attention_kv_split=config.attention_kv_split,
             coupled=speculative.verification == "coupled")
         if prepare_runner is not None:
             prepare_runner(proposer.runner)
