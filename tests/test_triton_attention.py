@@ -138,7 +138,8 @@ def test_engine_on_the_triton_backend_matches_sdpa_and_speculates_exactly():
 
         spec = SpeculativeConfig(method=method, k_max=3, adaptive=False, calibrate=False)
         return LLMEngine(EngineConfig(num_blocks=64, attention_backend=backend,
-                                      batch_invariant=False, speculative=spec),
+                                      batch_invariant=False, cpu_matmul_autotune=False,
+                                      speculative=spec),
                          model=clone_model(target).to(DEVICE))
 
     sdpa = [o.output_token_ids for o in engine("sdpa").generate(prompts, params)]
@@ -171,7 +172,8 @@ def test_static_padded_steps_give_the_eager_engine_s_tokens(method):
                                  draft_model="in-memory" if draft is not None else None)
         return LLMEngine(EngineConfig(num_blocks=64, attention_backend=backend,
                                       cuda_graphs=graphs, cuda_graph_batch_sizes=[1, 2, 4, 8],
-                                      batch_invariant=False, speculative=spec),
+                                      batch_invariant=False, cpu_matmul_autotune=False,
+                                      speculative=spec),
                          model=clone_model(target),
                          draft_model=clone_model(draft) if draft is not None else None)
 
@@ -210,7 +212,8 @@ def test_static_steps_equal_eager_seeded_at_bucket_edges_while_the_batch_shrinks
                                  draft_model="in-memory" if method != "none" else None)
         eng = LLMEngine(EngineConfig(num_blocks=64, attention_backend="triton",
                                      cuda_graphs=graphs, cuda_graph_batch_sizes=[1, 2, 4, 8],
-                                     batch_invariant=False, speculative=spec),
+                                     batch_invariant=False, cpu_matmul_autotune=False,
+                                     speculative=spec),
                         model=clone_model(target),
                         draft_model=clone_model(draft) if method != "none" else None)
         if method != "none":
@@ -245,7 +248,8 @@ def test_split_kv_engine_output_does_not_change_with_speculation_batching_or_buc
                                  draft_model="in-memory" if method == "draft_model" else None)
         cfg = dict(num_blocks=64, attention_backend="triton", attention_kv_split=32,
                    max_model_len=64, cuda_graphs=graphs, cuda_graph_batch_sizes=[1, 2, 8],
-                   batch_invariant=False, speculative=spec)
+                   batch_invariant=False, cpu_matmul_autotune=False,
+                   speculative=spec)
         cfg.update(kw)
         return LLMEngine(EngineConfig(**cfg), model=clone_model(target),
                          draft_model=clone_model(draft) if method == "draft_model" else None)
