@@ -198,13 +198,20 @@ class LLMEngine:
             sizes, tokens, ModelShape.of(m).vocab_size,
             m.get_input_embeddings().weight.element_size()) for m in models)
         graphs += bucket_peak * len(models) if captured else 0  # each runner's graph pool
-        if captured and cfg.attention_kv_split:  # the buckets' split partials (not measured:
-            for m in models:  # the measured steps have no generated rows)
-                text = m.config.get_text_config()
-                longest = self._max_model_len(m, 1 << 40)
-                graphs += memory_plan.split_partial_bytes(
-                    max(sizes) * tokens, text.num_attention_heads, ModelShape.of(m).head_dim,
-                    -(-longest // cfg.attention_kv_split))
+        if cfg.attention_kv_split:  # split partials at the longest context (the measured
+            # steps have no generated rows): an eager chunk of generated rows (a preemption's
+            # recompute) and, kept by the graph pools, each runner's largest bucket
+            pool_tokens = (int(cfg.kv_cache_memory_gb * GiB) // self._bytes_per_block(models)
+                           * cfg.block_size)  # the KV pool bounds max_model_len (<= requested)
+            longest = min(self._max_model_len(models[0], 1 << 40), pool_tokens)
+            most = -(-longest // cfg.attention_kv_split)
+            shapes = [(m.config.get_text_config().num_attention_heads, ModelShape.of(m).head_dim)
+                      for m in models]
+            chunk_peak += max(memory_plan.split_partial_bytes(cfg.max_num_batched_tokens, h, d,
+                                                              most) for h, d in shapes)
+            if captured:
+                graphs += sum(memory_plan.split_partial_bytes(max(sizes) * tokens, h, d, most)
+                              for h, d in shapes)
         free, total = torch.cuda.mem_get_info(device)
         cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         profile_kv = runner.kv.num_blocks * self._bytes_per_block([models[0]])

@@ -108,7 +108,8 @@ class ModelRunner:
             from engine.kernels.batch_invariant import make_batch_invariant
 
             self.invariance = make_batch_invariant(
-                model, "triton" if self.attention_backend == "triton" else "sdpa")
+                model, "triton" if self.attention_backend == "triton" else "sdpa",
+                attention_kv_split)
         elif cpu_matmul_autotune:
             from engine.kernels.linear import autotune_linears
 

@@ -92,12 +92,13 @@ class StaticSteps:
     def _new_bucket(self, seqs: int, tokens: int) -> Bucket:
         dev, rows = self.runner.device, seqs * tokens
         splits = None
-        if self.kv_split:  # row r's partial is r; the split axis covers the longest context
+        if self.kv_split:  # row r's partial is r, with room for the longest context's splits
+            most = -(-self.width * self.runner.block_size // self.kv_split)
             splits = self._splits_cls(
                 torch.full((rows,), -1, dtype=torch.int32, device=dev),
                 torch.arange(rows, dtype=torch.int32, device=dev),
-                torch.zeros(rows, dtype=torch.int32, device=dev),
-                -(-self.width * self.runner.block_size // self.kv_split))
+                torch.arange(0, rows * most, most, dtype=torch.int32, device=dev),
+                torch.zeros(rows, dtype=torch.int32, device=dev), rows * most, most)
         meta = self._meta_cls(
             slot_mapping=torch.full((rows,), self.scratch_slot, dtype=torch.long, device=dev),
             q_start=torch.arange(0, rows, tokens, dtype=torch.int32, device=dev),

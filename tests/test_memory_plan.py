@@ -9,7 +9,7 @@ import torch
 from conftest import build_tiny_model
 
 from engine import EngineConfig
-from engine.memory_plan import GiB, graph_output_bytes, plan_kv_bytes
+from engine.memory_plan import GiB, graph_output_bytes, plan_kv_bytes, split_partial_bytes
 from engine.model_runner import ModelRunner
 
 
@@ -17,6 +17,11 @@ def test_graph_outputs_are_one_buffer_of_the_largest_bucket():
     # buckets (1, 2, 4) sequences x 1..3 tokens share one output of 4 x 3 rows of logits
     assert graph_output_bytes((1, 2, 4), 3, 1000, 2) == 4 * 3 * 1000 * 2
     assert graph_output_bytes((), 3, 1000, 2) == 0
+
+
+def test_split_partials_are_float32_max_sum_and_values_per_split():
+    # 10 rows x 4 heads x 3 splits, each (max, sum, 64 values) in float32
+    assert split_partial_bytes(10, 4, 64, 3) == 10 * 4 * 3 * (2 + 64) * 4
 
 
 def test_the_pool_gets_what_is_asked_when_it_fits():

@@ -172,3 +172,16 @@ def test_logprobs_are_raw_model_logprobs():
     assert [tok for tok, _ in top] == [0, 1]
     assert math.isclose(top[0][1], torch.log_softmax(logits[0], -1)[0].item(), abs_tol=1e-6)
     assert len(res[1][1]) == 1 and math.isclose(res[1][0], -math.log(3), abs_tol=1e-6)
+
+
+def test_the_cuda_kernel_of_keyed_uniforms_has_the_torch_path_s_bits():
+    """kernels/keyed_noise.py (what CUDA runs), here through Triton's interpreter."""
+    import pytest
+
+    from engine.kernels import keyed_noise
+
+    if not keyed_noise.available():
+        pytest.skip("triton is not installed")
+    keys = [0, 5, noise_key(3, 0), noise_key(2**40, 7, 2), (1 << 63) - 1]
+    got = keyed_noise.keyed_uniforms(torch.tensor(keys), 2500)
+    assert torch.equal(got, sampler.keyed_uniforms(keys, 2500, torch.device("cpu")))

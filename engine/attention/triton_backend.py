@@ -23,13 +23,17 @@ says) is computed in splits of `kv_split` keys at fixed absolute boundaries [s *
 (s + 1) * split): one program per split writes the row's partial (max, sum, weighted values)
 in float32, and a second kernel combines the row's splits 0..n-1 in order. The boundaries
 depend on the position alone, never on the batch or the step, so the row's bits are the same
-in a decode, a verification or a prompt chunk that recomputes it; prompt rows keep the
-one-split loop, so a prompt chunk needs no partials. A row whose keys fit in one split gets
-exactly the bits of the one-split kernel (its combine multiplies by exp(0) = 1).
+in a decode, a verification or a prompt chunk that recomputes it (after a preemption);
+prompt rows keep the one-split loop in the split-0 program, so a fresh prompt chunk needs no
+partials. Each partial has room for its own splits only. A backend with splits runs every
+step through the split build (whole rows too), so no row's bits depend on which build a step
+happened to use; a row whose keys fit in one split gets the bits of the one-split loop (its
+combine multiplies by exp(0) = 1). Programs whose split holds no key of their tile return
+before loading anything.
 
 Runs wherever Triton runs: CUDA, and on CPU through Triton's interpreter
 (`TRITON_INTERPRET=1`, how the tests run it). All metadata are device tensors built once per
-step from numpy arrays; the per-layer call launches one kernel.
+step from numpy arrays; the per-layer call launches one kernel (two with split rows).
 """
 
 from __future__ import annotations
@@ -67,36 +71,28 @@ if triton is not None:
     def _paged_attention_kernel(
             q_ptr, k_ptr, v_ptr, o_ptr,  # q, o: [T, H, D]; k, v: [slots, KVH, D]
             q_start_ptr, q_len_ptr, ctx_len_ptr, tables_ptr,  # [B], [B], [B], [B, max_blocks]
-            part_of_row_ptr, m_part_ptr, l_part_ptr, acc_part_ptr,  # SPLIT > 0: [T]; partials
+            part_of_row_ptr, part_first_ptr,  # SPLIT > 0: [T] a row's partial; [P] its offset
+            m_part_ptr, l_part_ptr, acc_part_ptr,  # SPLIT > 0: [splits, H] (x D) float32
             num_splits, num_heads, scale,
             stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh, stride_tb,
             GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
             UPCAST: tl.constexpr, SPLIT: tl.constexpr):
-        seq = tl.program_id(0)
-        head = tl.program_id(1)
-        if SPLIT > 0:  # axis 2: tile x split
-            tile = tl.program_id(2) // num_splits
-            split = tl.program_id(2) % num_splits
+        if SPLIT > 0:  # axis 0: sequence x split (axis 0 has room for 2^31 - 1 programs)
+            seq = tl.program_id(0) // num_splits
+            split = tl.program_id(0) % num_splits
         else:
-            tile = tl.program_id(2)
+            seq = tl.program_id(0)
             split = 0
+        head = tl.program_id(1)
+        tile = tl.program_id(2)
         q_len = tl.load(q_len_ptr + seq)
         if tile * BLOCK_M < q_len:
             q_start = tl.load(q_start_ptr + seq)
             ctx_len = tl.load(ctx_len_ptr + seq)
-            kv_head = head // GROUP
             offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-            offs_d = tl.arange(0, HEAD_DIM)
             row_ok = offs_m < q_len
             q_pos = ctx_len - q_len + offs_m  # absolute positions of the tile's rows
-            q = tl.load(q_ptr + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh
-                        + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-            if UPCAST:
-                q = q.to(tl.float32)
-            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-            l_i = tl.zeros([BLOCK_M], tl.float32)
-            acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
             # each row attends keys [lo, row_end): its whole causal range, or (split rows) the
             # part of it inside this program's split
             if SPLIT > 0:
@@ -108,73 +104,102 @@ if triton is not None:
                 lo = 0
                 row_end = q_pos + 1
             row_end = tl.where(row_ok, row_end, 0)
-            # keys up to the tile's furthest row; the other rows mask the rest exactly
-            for start in range(lo, tl.max(row_end, 0), BLOCK_N):
-                offs_n = start + tl.arange(0, BLOCK_N)
-                key_ok = offs_n < ctx_len
-                block = tl.load(tables_ptr + seq * stride_tb + offs_n // BLOCK_SIZE,
-                                mask=key_ok, other=0)
-                slots = block.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE
-                k = tl.load(k_ptr + slots[None, :] * stride_kt + kv_head * stride_kh
-                            + offs_d[:, None], mask=key_ok[None, :], other=0.0)  # [D, N]
-                if UPCAST:
-                    k = k.to(tl.float32)
-                if IEEE:
-                    s = tl.dot(q, k, input_precision="ieee")
-                else:
-                    s = tl.dot(q, k)
-                s = s * scale
-                attend = offs_n[None, :] < row_end[:, None]
-                s = tl.where(attend, s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet
-                alpha = tl.exp(m_i - m_ref)
-                p = tl.exp(s - m_ref[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                v = tl.load(v_ptr + slots[:, None] * stride_kt + kv_head * stride_kh
-                            + offs_d[None, :], mask=key_ok[:, None], other=0.0)  # [N, D]
-                if UPCAST:
-                    v = v.to(tl.float32)
-                if IEEE:
-                    pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-                else:
-                    pv = tl.dot(p.to(v.dtype), v)
-                acc = acc * alpha[:, None] + pv
-                m_i = m_new
-            out = acc / l_i[:, None]
-            whole = row_ok
-            if SPLIT > 0:
-                whole = row_ok & (part < 0) & (offs_m * 0 + split == 0)
-                at = (part.to(tl.int64) * num_heads + head) * num_splits + split
-                in_part = row_ok & (part >= 0) & (row_end > lo)  # the row has keys here
-                tl.store(m_part_ptr + at, m_i, mask=in_part)
-                tl.store(l_part_ptr + at, l_i, mask=in_part)
-                tl.store(acc_part_ptr + at[:, None] * HEAD_DIM + offs_d[None, :], acc,
-                         mask=in_part[:, None])
-            tl.store(o_ptr + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh
-                     + offs_d[None, :], out.to(o_ptr.dtype.element_ty), mask=whole[:, None])
+            hi = tl.max(row_end, 0)  # keys up to the tile's furthest row; the rest mask exactly
+            if hi > lo:  # else no row of the tile has a key in this split: nothing to do
+                _attend_tile(q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, part_of_row_ptr,
+                             part_first_ptr, m_part_ptr, l_part_ptr, acc_part_ptr, num_heads,
+                             scale, stride_qt, stride_qh, stride_kt, stride_kh, stride_ot,
+                             stride_oh, stride_tb, seq, head, split, q_start, ctx_len, offs_m,
+                             row_ok, row_end, lo, hi, GROUP, BLOCK_SIZE, HEAD_DIM, BLOCK_M,
+                             BLOCK_N, IEEE, UPCAST, SPLIT)
+
+    @triton.jit
+    def _attend_tile(q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, part_of_row_ptr, part_first_ptr,
+                     m_part_ptr, l_part_ptr, acc_part_ptr, num_heads, scale,
+                     stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh,
+                     stride_tb, seq, head, split, q_start, ctx_len, offs_m, row_ok, row_end,
+                     lo, hi, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     IEEE: tl.constexpr, UPCAST: tl.constexpr, SPLIT: tl.constexpr):
+        """One tile's online softmax over keys [lo, hi), each row masked to [lo, row_end)."""
+        kv_head = head // GROUP
+        offs_d = tl.arange(0, HEAD_DIM)
+        q = tl.load(q_ptr + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh
+                    + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        for start in range(lo, hi, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            key_ok = offs_n < ctx_len
+            block = tl.load(tables_ptr + seq * stride_tb + offs_n // BLOCK_SIZE,
+                            mask=key_ok, other=0)
+            slots = block.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE
+            k = tl.load(k_ptr + slots[None, :] * stride_kt + kv_head * stride_kh
+                        + offs_d[:, None], mask=key_ok[None, :], other=0.0)  # [D, N]
+            if UPCAST:
+                k = k.to(tl.float32)
+            if IEEE:
+                s = tl.dot(q, k, input_precision="ieee")
+            else:
+                s = tl.dot(q, k)
+            s = s * scale
+            attend = offs_n[None, :] < row_end[:, None]
+            s = tl.where(attend, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet
+            alpha = tl.exp(m_i - m_ref)
+            p = tl.exp(s - m_ref[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_ptr + slots[:, None] * stride_kt + kv_head * stride_kh
+                        + offs_d[None, :], mask=key_ok[:, None], other=0.0)  # [N, D]
+            if UPCAST:
+                v = v.to(tl.float32)
+            if IEEE:
+                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # a padded row has no key: 0, not 0/0
+        whole = row_ok
+        if SPLIT > 0:
+            part = tl.load(part_of_row_ptr + q_start + offs_m, mask=row_ok, other=-1)
+            whole = row_ok & (part < 0) & (offs_m * 0 + split == 0)
+            in_part = row_ok & (part >= 0) & (row_end > lo)  # the row has keys here
+            first = tl.load(part_first_ptr + part, mask=in_part, other=0)
+            at = (first.to(tl.int64) + split) * num_heads + head
+            tl.store(m_part_ptr + at, m_i, mask=in_part)
+            tl.store(l_part_ptr + at, l_i, mask=in_part)
+            tl.store(acc_part_ptr + at[:, None] * HEAD_DIM + offs_d[None, :], acc,
+                     mask=in_part[:, None])
+        tl.store(o_ptr + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh
+                 + offs_d[None, :], out.to(o_ptr.dtype.element_ty), mask=whole[:, None])
 
     @triton.jit
     def _combine_splits_kernel(
-            m_part_ptr, l_part_ptr, acc_part_ptr, o_ptr,  # partials [P, H, S(, D)]; o [T, H, D]
-            part_row_ptr, part_splits_ptr,  # [P] the row of each partial, its splits (0: none)
-            num_splits, num_heads, stride_ot, stride_oh, HEAD_DIM: tl.constexpr):
+            m_part_ptr, l_part_ptr, acc_part_ptr, o_ptr,  # partials [splits, H(, D)]; o [T, H, D]
+            part_row_ptr, part_first_ptr, part_splits_ptr,  # [P]: row, first split, splits
+            num_heads, stride_ot, stride_oh, HEAD_DIM: tl.constexpr):
         p = tl.program_id(0)
         head = tl.program_id(1)
         n = tl.load(part_splits_ptr + p)
         if n > 0:
             row = tl.load(part_row_ptr + p)
-            at = (p.to(tl.int64) * num_heads + head) * num_splits
+            first = tl.load(part_first_ptr + p).to(tl.int64)
             offs_d = tl.arange(0, HEAD_DIM)
-            m = tl.load(m_part_ptr + at)
+            m = tl.load(m_part_ptr + first * num_heads + head)
             for s in range(1, n):
-                m = tl.maximum(m, tl.load(m_part_ptr + at + s))
+                m = tl.maximum(m, tl.load(m_part_ptr + (first + s) * num_heads + head))
             total = tl.zeros([HEAD_DIM], tl.float32)  # the sum of weights, in every lane
             acc = tl.zeros([HEAD_DIM], tl.float32)
             for s in range(0, n):  # in split order, always
-                w = tl.exp(tl.load(m_part_ptr + at + s) - m)
-                total += tl.load(l_part_ptr + at + s) * w
-                acc += tl.load(acc_part_ptr + (at + s) * HEAD_DIM + offs_d) * w
+                at = (first + s) * num_heads + head
+                w = tl.exp(tl.load(m_part_ptr + at) - m)
+                total += tl.load(l_part_ptr + at) * w
+                acc += tl.load(acc_part_ptr + at * HEAD_DIM + offs_d) * w
             tl.store(o_ptr + row * stride_ot + head * stride_oh + offs_d,
                      (acc / total).to(o_ptr.dtype.element_ty))
 
@@ -194,24 +219,27 @@ class TritonMetadata(AttentionMetadata):
 
 
 class SplitRows:
-    """Split-KV metadata: the rows computed in splits (generated tokens' rows) and their
-    partials. part_of_row [T] int32: the row's partial index, -1 for a row computed whole;
-    part_row [P] int32: the row of each partial; part_splits [P] int32: its splits (position //
-    split + 1; 0 for an unused partial); num_splits: the partials' split axis (>= every
-    part_splits)."""
+    """Split-KV metadata: the rows computed in splits (generated tokens' rows) and where their
+    partials go. part_of_row [T] int32: the row's partial index, -1 for a row computed whole;
+    part_row, part_first, part_splits [P] int32: each partial's row, the offset of its first
+    split in the partial buffers, its splits (position // split + 1; 0 for an unused one);
+    total: the buffers' splits (the sum, or the static buckets' fixed room); num_splits: the
+    grid's split axis (>= every part_splits)."""
 
     def __init__(self, part_of_row: torch.Tensor, part_row: torch.Tensor,
-                 part_splits: torch.Tensor, num_splits: int) -> None:
-        self.part_of_row, self.part_row, self.part_splits = part_of_row, part_row, part_splits
-        self.num_splits = num_splits
+                 part_first: torch.Tensor, part_splits: torch.Tensor, total: int,
+                 num_splits: int) -> None:
+        self.part_of_row, self.part_row = part_of_row, part_row
+        self.part_first, self.part_splits = part_first, part_splits
+        self.total, self.num_splits = total, num_splits
 
-    @staticmethod
-    def host_arrays(spans: list[SeqSpan], num_rows: int, split: int
-                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(part_of_row [num_rows], part_row, part_splits) for `spans`, partials in row order;
-        rows at positions >= their span's prompt length are split."""
-        part_of_row = np.full(num_rows, -1, dtype=np.int32)
-        rows, splits = [], []
+    @classmethod
+    def build(cls, spans: list[SeqSpan], num_rows: int, split: int,
+              device: torch.device) -> SplitRows:
+        """For `spans`: rows at positions >= their span's prompt length are split; partials in
+        row order, each with room for its own splits only."""
+        part_of_row = np.full(num_rows, -1, dtype=np.int64)
+        rows, splits = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
         for s in spans:
             if s.prompt_len is None:
                 continue
@@ -219,11 +247,14 @@ class SplitRows:
             generated = np.nonzero(pos >= s.prompt_len)[0]
             rows.append(s.q_start + generated)
             splits.append(pos[generated] // split + 1)
-        part_row = np.concatenate(rows).astype(np.int32) if rows else np.zeros(0, np.int32)
-        part_splits = (np.concatenate(splits).astype(np.int32) if splits
-                       else np.zeros(0, np.int32))
-        part_of_row[part_row] = np.arange(len(part_row), dtype=np.int32)
-        return part_of_row, part_row, part_splits
+        part_row, part_splits = np.concatenate(rows), np.concatenate(splits)
+        part_of_row[part_row] = np.arange(len(part_row))
+        part_first = np.cumsum(part_splits) - part_splits
+        t, p = num_rows, len(part_row)
+        host = np.concatenate([part_of_row, part_row, part_first, part_splits])
+        dev = to_device(host, torch.int32, device)
+        return cls(dev[:t], dev[t:t + p], dev[t + p:t + 2 * p], dev[t + 2 * p:],
+                   int(part_splits.sum()), int(part_splits.max(initial=1)))
 
 
 class TritonBackend(AttentionBackend):
@@ -250,15 +281,8 @@ class TritonBackend(AttentionBackend):
             used = -(-s.ctx_len // block_size)
             tables[i, :used] = s.block_table[:used]
         seq = to_device(per_seq, torch.int32, device)
-        splits = None
-        if self.kv_split:
-            part_of_row, part_row, part_splits = SplitRows.host_arrays(
-                spans, len(slot_mapping), self.kv_split)
-            parts = to_device(np.concatenate([part_of_row, part_row, part_splits]), torch.int32,
-                              device)
-            t, p = len(part_of_row), len(part_row)
-            splits = SplitRows(parts[:t], parts[t:t + p], parts[t + p:],
-                               max(1, int(part_splits.max(initial=1))))
+        splits = (SplitRows.build(spans, len(slot_mapping), self.kv_split, device)
+                  if self.kv_split else None)
         return TritonMetadata(to_device(slot_mapping, torch.long, device), seq[0], seq[1],
                               seq[2], to_device(tables, torch.int32, device),
                               max(s.q_len for s in spans), block_size, splits)
@@ -273,21 +297,22 @@ class TritonBackend(AttentionBackend):
         batch = meta.q_len.shape[0]
         tiles = triton.cdiv(meta.max_q_len, BLOCK_M)
         sp = meta.splits if self.kv_split else None
-        if sp is not None and sp.part_row.shape[0]:
+        if sp is not None:  # every step of a split-KV backend runs the split build
             num_splits, num_parts = sp.num_splits, sp.part_row.shape[0]
-            m_part = torch.empty((num_parts, num_heads, num_splits), dtype=torch.float32,
+            # float32 partials; at least one split's room, so that every pointer is valid
+            m_part = torch.empty((max(sp.total, 1), num_heads), dtype=torch.float32,
                                  device=q.device)
             l_part = torch.empty_like(m_part)
-            acc_part = torch.empty(m_part.shape + (head_dim,), dtype=torch.float32,
-                                   device=q.device)
-            part_of_row = sp.part_of_row
-        else:  # no row is split: the one-split kernel (the pointers below are never read)
-            sp, num_splits, num_parts = None, 1, 0
-            m_part = l_part = acc_part = part_of_row = out
-        _paged_attention_kernel[(batch, num_heads, tiles * num_splits)](
+            acc_part = torch.empty((max(sp.total, 1), num_heads, head_dim),
+                                   dtype=torch.float32, device=q.device)
+            part_of_row, part_first = sp.part_of_row, sp.part_first
+        else:  # the one-split build (the pointers below are never read)
+            num_splits, num_parts = 1, 0
+            m_part = l_part = acc_part = part_of_row = part_first = out
+        _paged_attention_kernel[(batch * num_splits, num_heads, tiles)](
             q, k_cache, v_cache, out, meta.q_start, meta.q_len, meta.ctx_len,
-            meta.block_tables, part_of_row, m_part, l_part, acc_part, num_splits, num_heads,
-            scaling,
+            meta.block_tables, part_of_row, part_first, m_part, l_part, acc_part, num_splits,
+            num_heads, scaling,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
             out.stride(0), out.stride(1), meta.block_tables.stride(0),
             GROUP=num_heads // k_cache.shape[1], BLOCK_SIZE=meta.block_size,
@@ -296,6 +321,6 @@ class TritonBackend(AttentionBackend):
             SPLIT=self.kv_split if sp is not None else 0)
         if num_parts:
             _combine_splits_kernel[(num_parts, num_heads)](
-                m_part, l_part, acc_part, out, sp.part_row, sp.part_splits, num_splits,
+                m_part, l_part, acc_part, out, sp.part_row, sp.part_first, sp.part_splits,
                 num_heads, out.stride(0), out.stride(1), HEAD_DIM=head_dim)
         return out[None]  # [1, T, heads, D]

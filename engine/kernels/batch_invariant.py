@@ -47,6 +47,7 @@ CHECK_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)  # row counts the check compares
 LARGE_ROWS = (96, 128, 256)  # ... and beyond the last, for prompt chunks and large batches
 ATTENTION_TRIALS = 3  # random draws the attention check compares
 ATTENTION_CONTEXT = 600  # tokens of the sequence it checks (more than one key block)
+ATTENTION_PROMPT = 200  # with split-KV: its prompt (later rows are generated, computed split)
 KV_MULTIPLE = 512  # keys of an attention call: torch's CPU flash kernel splits them in 512s
 Q_MULTIPLES = (1, 2, 4, 8, 16)  # candidate query-row multiples, the smallest that holds wins
 VOCAB_CHECK_COLS = 8192  # output features of the vocabulary projection used by the check
@@ -199,17 +200,21 @@ def make_linears_invariant(model: torch.nn.Module, report: InvarianceReport) -> 
 
 def check_attention(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                     device: torch.device, report: InvarianceReport,
-                    backend: str = "sdpa") -> None:
+                    backend: str = "sdpa", kv_split: int = 0) -> None:
     """Pick the attention call layout from measurement (see the module docstring); the
-    Triton kernel needs no layout (it is invariant by construction), and is checked as is."""
+    Triton kernel needs no layout (it is invariant by construction), and is checked as is,
+    with its split-KV rows when `kv_split` (the check's sequence then has a prompt of
+    ATTENTION_PROMPT tokens: the rows after it are generated and split)."""
     from engine.attention.paged import SDPABackend
 
     shape = (num_heads, num_kv_heads, head_dim, dtype, device)
     if backend == "triton":
         from engine.attention.triton_backend import TritonBackend
 
-        if not _once(("attention", "triton", *shape),
-                     lambda: _attention_invariant(TritonBackend(), *shape)):
+        prompt_len = ATTENTION_PROMPT if kv_split else None
+        if not _once(("attention", "triton", kv_split, *shape),
+                     lambda: _attention_invariant(TritonBackend(kv_split), *shape,
+                                                  prompt_len)):
             report.invariant = False
             report.problems.append(f"attention ({dtype}): the triton kernel's rows differ")
         return
@@ -224,7 +229,8 @@ def check_attention(num_heads: int, num_kv_heads: int, head_dim: int, dtype: tor
 
 
 def _attention_invariant(backend, num_heads: int, num_kv_heads: int, head_dim: int,
-                         dtype: torch.dtype, device: torch.device) -> bool:
+                         dtype: torch.dtype, device: torch.device,
+                         prompt_len: int | None = None) -> bool:
     """Every row of one sequence of ATTENTION_CONTEXT tokens, computed as one whole prompt, must
     have the same bits as when it is computed as a decode, inside a verification, inside a
     prompt chunk with a past, and beside other sequences (the same sequence at other
@@ -244,7 +250,7 @@ def _attention_invariant(backend, num_heads: int, num_kv_heads: int, head_dim: i
         positions = [p for first, q_len in spans for p in range(first, first + q_len)]
         seq_spans, start = [], 0
         for first, q_len in spans:
-            seq_spans.append(SeqSpan(start, q_len, first + q_len, table))
+            seq_spans.append(SeqSpan(start, q_len, first + q_len, table, prompt_len))
             start += q_len
         meta = backend.build_metadata(seq_spans, positions, block_size, device)
         idx = torch.tensor(positions, device=device)
@@ -275,9 +281,11 @@ def _attention_invariant(backend, num_heads: int, num_kv_heads: int, head_dim: i
     return True
 
 
-def make_batch_invariant(model: torch.nn.Module, attention: str = "sdpa") -> InvarianceReport:
+def make_batch_invariant(model: torch.nn.Module, attention: str = "sdpa",
+                         kv_split: int = 0) -> InvarianceReport:
     """Measure and install the rule on `model` (the target); returns what holds.
-    `attention`: the attention backend the model runs with (sdpa | triton)."""
+    `attention`: the attention backend the model runs with (sdpa | triton), `kv_split` its
+    split-KV keys per split (triton; 0: off)."""
     t0 = time.perf_counter()
     report = InvarianceReport()
     make_linears_invariant(model, report)
@@ -286,7 +294,8 @@ def make_batch_invariant(model: torch.nn.Module, attention: str = "sdpa") -> Inv
     kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     param = next(model.parameters())
     check_attention(cfg.num_attention_heads, kv_heads, head_dim,
-                    model.get_input_embeddings().weight.dtype, param.device, report, attention)
+                    model.get_input_embeddings().weight.dtype, param.device, report, attention,
+                    kv_split)
     report.seconds = time.perf_counter() - t0
     if not report.invariant:
         log.warning("the target's forward is not batch-invariant on this machine: %s; greedy "

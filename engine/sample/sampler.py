@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from engine.device_io import to_device
+from engine.kernels import keyed_noise
 from engine.sample.keys import GOLDEN_GAMMA, MIX1, MIX2, UNIFORM_BITS
 from engine.sampling_params import SamplingParams
 
@@ -243,6 +244,7 @@ def _signed(value: int) -> int:
 
 _GAMMA, _MIX1, _MIX2 = (_signed(c) for c in (GOLDEN_GAMMA, MIX1, MIX2))
 _column_steps: dict[tuple[int, torch.device], torch.Tensor] = {}
+KEYED_ROWS_PER_PASS = 16
 
 
 def _shift(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -254,19 +256,27 @@ def keyed_uniforms(keys: list[int], n: int, device: torch.device) -> torch.Tenso
     """[len(keys), n] U(0, 1): row r holds the first n draws of the SplitMix64 stream that
     starts at keys[r] (`keys.stream_uniform` is the same definition in plain Python).
 
-    All rows in one set of elementwise ops (int64 arithmetic wraps modulo 2^64, as SplitMix64
-    wants), so the integer bits are the same on every device and the cost does not grow with a
-    launch per row."""
+    Up to KEYED_ROWS_PER_PASS rows per set of elementwise ops (int64 arithmetic wraps modulo
+    2^64, as SplitMix64 wants), so the integer bits are the same on every device and the cost
+    does not grow with a launch per row. On CUDA one Triton kernel computes the same bits in
+    one pass (kernels/keyed_noise.py)."""
+    if torch.device(device).type == "cuda" and keyed_noise.available():
+        return keyed_noise.keyed_uniforms(to_device(keys, torch.int64, device), n)
     steps = _column_steps.get((n, device))
     if steps is None:  # (j + 1) * gamma for j < n
         steps = _column_steps[(n, device)] = (
             torch.arange(1, n + 1, dtype=torch.int64, device=device) * _GAMMA)
-    x = steps[None, :] + to_device(keys, torch.int64, device)[:, None]
-    for bits, multiplier in ((30, _MIX1), (27, _MIX2)):
-        x ^= _shift(x, bits)
-        x *= multiplier
-    x ^= _shift(x, 31)
-    return _shift(x, 64 - UNIFORM_BITS).float().add_(0.5).mul_(2.0 ** -UNIFORM_BITS)
+    out = torch.empty((len(keys), n), dtype=torch.float32, device=device)
+    for lo in range(0, len(keys), KEYED_ROWS_PER_PASS):  # bounds the int64 temporaries
+        rows = keys[lo:lo + KEYED_ROWS_PER_PASS]
+        x = steps[None, :] + to_device(rows, torch.int64, device)[:, None]
+        for bits, multiplier in ((30, _MIX1), (27, _MIX2)):
+            x ^= _shift(x, bits)
+            x *= multiplier
+        x ^= _shift(x, 31)
+        out[lo:lo + len(rows)] = _shift(x, 64 - UNIFORM_BITS).float().add_(0.5).mul_(
+            2.0 ** -UNIFORM_BITS)
+    return out
 
 
 def exponential_noise(shape: tuple[int, int], keys: list[int | None], device: torch.device,
