@@ -19,12 +19,24 @@ def _transformers_version() -> str:
     return transformers.__version__
 
 
+def cpu_model() -> str:
+    """The CPU's model name (results differ by CPU: matmul kernels, and so what batch
+    invariance costs, are chosen per CPU)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
 def write_results(out: str | Path, title: str, threads: int, details: list[str], table: str,
                   result: str) -> None:
     """details: bench-specific lines (models, dtypes, workload) after date, machine, command."""
     command = " ".join(["python", f"bench/{Path(sys.argv[0]).name}", *sys.argv[1:]])
     meta = [f"date: {datetime.datetime.now().isoformat(timespec='seconds')}",
-            f"machine: {platform.machine()}, {os.cpu_count()} CPUs, {threads} torch threads, "
+            f"machine: {platform.machine()} ({cpu_model()}), {os.cpu_count()} CPUs, {threads} torch threads, "
             f"torch {torch.__version__}, transformers {_transformers_version()}",
             f"command: `{command}`", *details]
     out = Path(out)
