@@ -48,8 +48,9 @@ def graph_output_bytes(batch_sizes: tuple[int, ...], tokens_per_seq: int, vocab_
 
 
 def split_partial_bytes(rows: int, heads: int, head_dim: int, num_splits: int) -> int:
-    """What split-KV attention allocates during a static bucket's layer: float32 partials
-    (max, sum, weighted values) of `rows` rows x heads x the bucket's split axis."""
+    """What split-KV attention allocates during one layer: float32 partials (max, sum,
+    weighted values) of `rows` split rows x heads x `num_splits` splits each (an eager step's
+    or a static bucket's rows, at the longest context)."""
     return rows * heads * num_splits * (head_dim + 2) * 4
 
 
