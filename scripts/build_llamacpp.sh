@@ -7,6 +7,8 @@ set -euo pipefail
 VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
 DEST="${SPECSERVE_LLAMACPP:-$HOME/.cache/specserve/llamacpp}"
 PY="${PYTHON:-python3}"
+# a relative PYTHON (the Makefile passes .venv/bin/python) must survive the cd below
+case "$PY" in */*) PY="$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")" ;; esac
 mkdir -p "$DEST/src" "$DEST/bin"
 cd "$DEST"
 if [ -x bin/llama-server ]; then echo "already built: $DEST/bin/llama-server"; exit 0; fi
