@@ -20,6 +20,10 @@ class SpeculativeConfig:
     # none | int8 | int4 | auto, as engine.quantization (engine/models/quantize.py); the
     # draft's numerics never change what is emitted, only how often its drafts are accepted
     draft_quantization: str = "none"
+    # draft model: score only this many tokens (added tokens, then the most frequent), not
+    # the whole vocabulary: its output projection shrinks that much; a token outside is never
+    # drafted, and the verifier keeps the output exact (0: the whole vocabulary)
+    draft_vocab_size: int = 0
     k_max: int = 4  # most draft tokens per sequence per step (0..16)
     adaptive: bool = True  # choose k per step from measured costs; False: always k_max
     calibrate: bool = True  # time a few forward sizes at start-up to seed the cost model
@@ -57,6 +61,10 @@ class SpeculativeConfig:
         if self.draft_quantization not in QUANTIZATION_MODES:
             raise ValueError(f"invalid speculative config draft_quantization: "
                              f"{self.draft_quantization!r}; use one of {QUANTIZATION_MODES}")
+        if not isinstance(self.draft_vocab_size, int) or self.draft_vocab_size < 0:
+            raise ValueError(f"invalid speculative config draft_vocab_size: "
+                             f"{self.draft_vocab_size!r}, must be >= 0 (0: the whole "
+                             f"vocabulary)")
         if self.method in ("draft_model", "hybrid") and not self.draft_model:
             raise ValueError(f"invalid speculative config draft_model: method {self.method} "
                              "needs a draft model")

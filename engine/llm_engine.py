@@ -26,7 +26,7 @@ from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.memory_plan import GiB
 from engine.model_runner import DeviceTokens, ModelRunner, ModelShape, RunItem, StepLogits
-from engine.models.draft import draft_source, load_draft, prepare_draft
+from engine.models.draft import draft_source, draft_vocabulary, load_draft, prepare_draft
 from engine.models.loader import load_model, resolve_model_path
 from engine.models.quantize import apply_quantization
 from engine.sample import keys, rejection_sampler, sampler
@@ -122,10 +122,12 @@ class LLMEngine:
         self._sequences: dict[str, Sequence] = {}
         self._num_emitted: dict[str, int] = {}
         self._ids = itertools.count()
+        tokenizer_size = len(tokenizer) if tokenizer is not None else None
         self.speculator = build_speculator(
-            config, self.runner, self.block_manager, draft_model,
-            len(tokenizer) if tokenizer is not None else None, self.max_model_len,
-            self._static_steps)
+            config, self.runner, self.block_manager, draft_model, tokenizer_size,
+            self.max_model_len, self._static_steps,
+            draft_vocabulary(tokenizer, config.speculative.draft_vocab_size,
+                             tokenizer_size or self.vocab_size))
         self._grammars: Grammars | None = None  # built with the first grammar request
         self._mask_thread: ThreadPoolExecutor | None = None
         self.num_grammar_requests = 0
@@ -158,7 +160,8 @@ class LLMEngine:
                            self.config.model_cache_dir) if owned else given
         return prepare_draft(draft, speculative.draft_quantization, owned,
                              draft_source(speculative, self.config.model_cache_dir)
-                             if owned else None, int4_kernel=self.config.int4_kernel)
+                             if owned else None, int4_kernel=self.config.int4_kernel,
+                             private=speculative.draft_vocab_size > 0)
 
     def _bytes_per_block(self, models: list[torch.nn.Module]) -> int:
         """KV bytes of one block id: a draft model's KV shares the same block ids."""

@@ -49,7 +49,8 @@ def _serve(args: argparse.Namespace) -> int:
         if v is not None}
     spec = {k: v for k, v in {"method": args.speculative, "draft_model": args.draft_model,
                               "k_max": args.k_max,
-                              "draft_quantization": args.draft_quantization}.items()
+                              "draft_quantization": args.draft_quantization,
+                              "draft_vocab_size": args.draft_vocab_size}.items()
             if v is not None}
     if spec:
         engine["speculative"] = spec
@@ -159,6 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "4-bit blocks as int4, its 5-8-bit layers as int8, on the CPU)")
     srv.add_argument("--draft-quantization", choices=list(QUANTIZATION_MODES),
                      help="the same for the draft model")
+    srv.add_argument("--draft-vocab-size", type=int,
+                     help="the draft model scores only this many tokens (the most frequent; "
+                          "0: the whole vocabulary); output stays exact")
     srv.add_argument("--int4-kernel", choices=list(INT4_KERNELS),
                      help="CPU kernel of int4 linears: vnni (AVX-512 VNNI, int8 activations "
                           "as llama.cpp), torch (activations as they are), auto (vnni where "

@@ -149,6 +149,23 @@ def test_quantized_kernels_are_batch_invariant(kind):
     assert invariant_row_range(probe, op=layer.matmul) is not None
 
 
+@pytest.mark.parametrize("kind", ["int4/torch", pytest.param("int4/vnni", marks=needs_vnni),
+                                  "int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_selected_rows_keep_their_bits(kind, dtype):
+    """A draft's vocabulary subset: the layer of some output rows gives each the bits the
+    whole layer gives it."""
+    torch.manual_seed(3)
+    w, bias = torch.randn(256, 128), torch.randn(256)
+    layer = (Int4Linear(*quantize_int4_rtn(w), bias, dtype, "cpu", kernel=kind.split("/")[1])
+             if kind.startswith("int4") else Int8Linear(*quantize_int8_rtn(w), bias, dtype, "cpu"))
+    rows = torch.randperm(256)[:64].sort().values
+    part = layer.select_rows(rows)
+    assert part.out_features == 64 and type(part) is type(layer)
+    x = torch.randn(3, 128).to(dtype)
+    assert torch.equal(part(x), layer(x)[:, rows])
+
+
 def _random_blocks(type_name: str, rows: int, blocks: int, rng) -> np.ndarray:
     """Random GGUF blocks of `type_name` with finite, ordinary fp16 scales."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType

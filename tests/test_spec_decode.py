@@ -15,14 +15,15 @@ LENGTHS = [3, 50, 17, 90, 8, 33, 1, 64]
 
 
 def make_engine(target, method="none", draft=None, k_max=4, adaptive=False, stop_confidence=0.0,
-                verification="coupled", **kw):
+                verification="coupled", draft_vocab_size=0, **kw):
     """stop_confidence 0 by default: random tiny drafts are unsure, and the tests want full
     k-token drafts; the confidence stop has tests of its own."""
     cfg = dict(num_blocks=256, max_num_batched_tokens=128, max_num_seqs=16)
     cfg.update(kw)
     spec = SpeculativeConfig(method=method, draft_model="in-memory" if draft else None,
                              k_max=k_max, adaptive=adaptive, calibrate=adaptive,
-                             draft_stop_confidence=stop_confidence, verification=verification)
+                             draft_stop_confidence=stop_confidence, verification=verification,
+                             draft_vocab_size=draft_vocab_size)
     return LLMEngine(EngineConfig(speculative=spec, **cfg), model=clone_model(target),
                      draft_model=clone_model(draft) if draft is not None else None)
 
@@ -155,6 +156,70 @@ def test_int8_draft_stays_exact():
     outs = engine.generate(prompts, greedy)
     assert [o.output_token_ids for o in outs] == [o.output_token_ids for o in plain]
     assert engine.speculator.stats.acceptance_rate > 0.5  # int8 copy still mostly agrees
+
+
+def drafted_tokens(engine) -> list[int]:
+    """Every token the engine's draft model proposes from here on (read on the host)."""
+    proposer, seen = engine.speculator.proposer, []
+    propose = proposer.propose
+
+    def recording(*args, **kwargs):
+        proposal = propose(*args, **kwargs)
+        seen.extend(t for d in proposal.token_ids for t in d)
+        return proposal
+
+    proposer.propose = recording
+    return seen
+
+
+def test_draft_vocabulary_subset_stays_exact_and_drafts_inside_it():
+    target = build_tiny_model("qwen2")
+    prompts = random_prompts(LENGTHS)
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    seeded = [SamplingParams(temperature=1.0, max_tokens=24, seed=s, ignore_eos=True)
+              for s in range(len(prompts))]
+    plain = make_engine(target)
+    expected = [o.output_token_ids for o in plain.generate(prompts, greedy)
+                + plain.generate(prompts, seeded)]
+    # a copy of the target as the draft: it agrees wherever the subset lets it
+    engine = make_engine(target, "draft_model", target, draft_vocab_size=100)
+    seen = drafted_tokens(engine)
+    outs = engine.generate(prompts, greedy) + engine.generate(prompts, seeded)
+    assert [o.output_token_ids for o in outs] == expected
+    assert engine.speculator.proposer.runner.shape.vocab_size == 128  # 100 rounded up to 64s
+    assert seen and max(seen) < 128  # no tokenizer: the 128 lowest ids
+    emitted = [t for ids in expected for t in ids]
+    assert any(t >= 128 for t in emitted)  # the target emits what the draft cannot draft
+    assert 0.05 < engine.speculator.stats.acceptance_rate < 0.9  # a full copy: > 0.95
+
+
+def test_draft_vocabulary_subset_keeps_the_target_distribution():
+    target, draft, prompt = distribution_pair()
+    n = 2400
+    params = [SamplingParams(temperature=1.0, max_tokens=4, seed=s, ignore_eos=True)
+              for s in range(2 * n)]
+    plain = third_tokens(make_engine(target), prompt, params[:n])
+    engine = make_engine(target, "draft_model", draft, k_max=3, verification="rejection",
+                         draft_vocab_size=192)
+    seen = drafted_tokens(engine)
+    spec = third_tokens(engine, prompt, params[n:])
+    assert max(seen) < 192 and (spec >= 192).mean() > 0.1  # q = 0 for a tenth of the outputs
+    assert 0.05 < engine.speculator.stats.acceptance_rate < 0.99
+    assert same_distribution_pvalue(plain, spec) > 0.001
+
+
+def test_draft_vocabulary_ranks_added_tokens_first():
+    from types import SimpleNamespace
+
+    from engine.models.draft import draft_vocabulary
+
+    tokenizer = SimpleNamespace(added_tokens_decoder={1: "<eos>", 300: "<tool_call>",
+                                                      999: "<pad beyond the vocabulary>"})
+    ids = draft_vocabulary(tokenizer, 60, 320)
+    assert ids.tolist() == list(range(63)) + [300]  # rounded up to 64, ascending
+    assert draft_vocabulary(tokenizer, 0, 320) is None
+    assert draft_vocabulary(tokenizer, 320, 320) is None
+    assert draft_vocabulary(None, 64, 320).tolist() == list(range(64))
 
 
 def test_greedy_and_sampled_requests_share_a_draft_batch():
@@ -345,6 +410,8 @@ def test_k_max_outside_range_is_a_config_error():
         EngineConfig(speculative={"k_maxx": 2})
     with pytest.raises(ValueError, match="draft_stop_confidence"):
         SpeculativeConfig(method="ngram", draft_stop_confidence=1.0)
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        SpeculativeConfig(method="ngram", draft_vocab_size=-64)
 
 
 def test_draft_with_different_vocabulary_is_refused():

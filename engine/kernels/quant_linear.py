@@ -218,6 +218,38 @@ class Int4Linear(torch.nn.Module):
                         device=self.scale_zero.device)
         return self._mm(eye).float().t().contiguous()
 
+    def select_rows(self, rows: torch.Tensor) -> "Int4Linear":
+        """A layer of the output features `rows` ([n] long) alone, with the same codes, scales
+        and kernel: each kept output gets the bits it gets here (a draft's vocabulary subset)."""
+        bias = None if self.bias is None else self.bias[rows]
+        if self.kernel == "vnni":
+            codes, scale, offset = unpack_vnni(self.codes_vnni, self.scale_vnni,
+                                               self.offset_vnni)
+            # (the kernel computes in the activations' dtype: the one given here is not kept)
+            return Int4Linear(codes[rows], scale[rows].float(), offset[rows].float(), bias,
+                              torch.float32, "cpu", self.group_size, "vnni")
+        codes = self._torch_codes()
+        scale, zero = self.scale_zero.double().unbind(-1)  # [G, N] each
+        return Int4Linear(codes[rows], scale.t()[rows], (zero - 8 * scale).t()[rows], bias,
+                          self.scale_zero.dtype, self.scale_zero.device, self.group_size,
+                          "torch")
+
+    def _torch_codes(self) -> torch.Tensor:
+        """[N, K] codes back from torch's CPU packing ([N/64, K, 32] bytes: the low nibble of
+        byte j holds output row j of the block of 64, the high one row 32 + j), checked by
+        packing them again: the layout is torch's, not ours."""
+        n, k, packed = self.out_features, self.in_features, self.weight_packed
+        if packed.is_cuda or n % 64 or packed.shape != (n, k // 2):
+            raise ValueError("rows of an int4 layer can be selected with torch's kernel on the "
+                             "CPU for output features in multiples of 64 only")
+        v = packed.reshape(n // 64, k, 32)
+        codes = torch.cat([v & 0xF, v >> 4], dim=2).transpose(1, 2).reshape(n, k)
+        again = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+        if not torch.equal(again, packed):
+            raise ValueError("this torch packs int4 weights in another layout; rows of an int4 "
+                             "layer cannot be selected with torch's kernel")
+        return codes
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"group_size={self.group_size}, bias={self.bias is not None}, "
@@ -256,6 +288,12 @@ class Int8Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.matmul(x.reshape(-1, self.in_features))
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    def select_rows(self, rows: torch.Tensor) -> "Int8Linear":
+        """A layer of the output features `rows` ([n] long) alone (see Int4Linear's)."""
+        return Int8Linear(self.weight_int8[rows], self.scale[rows],
+                          None if self.bias is None else self.bias[rows], self.scale.dtype,
+                          self.weight_int8.device)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

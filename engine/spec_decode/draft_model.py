@@ -36,6 +36,7 @@ from engine import device_io
 from engine.block_manager import BlockManager
 from engine.device_io import Marks, to_device
 from engine.model_runner import DeviceTokens, ModelRunner, ModelShape, RunItem
+from engine.models.draft import restrict_vocabulary
 from engine.sample import sampler
 from engine.sample.rejection_sampler import PLACEHOLDER
 from engine.sequence import Sequence
@@ -59,13 +60,18 @@ class DraftModelProposer(Proposer):
                  tokenizer_size: int | None = None, seed: int = 0,
                  cpu_matmul_autotune: bool = False, stop_confidence: float = 0.0,
                  attention_backend: str = "auto", attention_kv_split: int = 0,
-                 coupled: bool = True,
+                 coupled: bool = True, vocabulary: torch.Tensor | None = None,
                  defer_reads: bool | None = None) -> None:
-        """defer_reads: chain the k draft forwards on the device and read their tokens once at
-        the end (None: on CUDA, where each read waits for the device; on the CPU a read costs
-        nothing and reading each token lets the confidence stop skip forwards)."""
+        """vocabulary: the token ids the draft scores ([n] long, ascending; None: all of them;
+        engine/models/draft.py `draft_vocabulary`): its output projection is cut to those rows,
+        and a token outside them is never drafted (q = 0 there, which the verifier handles
+        exactly). defer_reads: chain the k draft forwards on the device and read their tokens
+        once at the end (None: on CUDA, where each read waits for the device; on the CPU a
+        read costs nothing and reading each token lets the confidence stop skip forwards)."""
         draft_vocab = ModelShape.of(model).vocab_size
         check_vocab(draft_vocab, target_vocab_size, tokenizer_size)
+        if vocabulary is not None:
+            restrict_vocabulary(model, vocabulary)
         self.runner = ModelRunner(model, num_blocks, block_size,
                                   cpu_matmul_autotune=cpu_matmul_autotune,
                                   attention_backend=attention_backend,
@@ -74,6 +80,7 @@ class DraftModelProposer(Proposer):
         self.target_vocab_size = target_vocab_size
         self.valid_vocab = min(draft_vocab, target_vocab_size, tokenizer_size or draft_vocab)
         self.device = self.runner.device
+        self.vocabulary = None if vocabulary is None else vocabulary.to(self.device)
         self.stop_confidence = stop_confidence
         self.defer_reads = self.device.type == "cuda" if defer_reads is None else defer_reads
         self.coupled = coupled  # seeded requests are verified by the target's keyed pick
@@ -89,12 +96,17 @@ class DraftModelProposer(Proposer):
         return k
 
     def _to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
-        # [n, V_draft] -> [n, V_target]; ids past the tokenizer's vocabulary are never drafted
-        if logits.shape[1] == self.valid_vocab == self.target_vocab_size:
+        # [n, V_draft] -> [n, V_target]; ids past the tokenizer's vocabulary, and outside a
+        # vocabulary subset, are never drafted
+        if self.vocabulary is None and logits.shape[1] == self.valid_vocab \
+                == self.target_vocab_size:
             return logits
         out = torch.full((logits.shape[0], self.target_vocab_size), float("-inf"),
                          dtype=logits.dtype, device=logits.device)
-        out[:, :self.valid_vocab] = logits[:, :self.valid_vocab]
+        if self.vocabulary is not None:
+            out[:, self.vocabulary] = logits
+        else:
+            out[:, :self.valid_vocab] = logits[:, :self.valid_vocab]
         return out
 
     @torch.inference_mode()

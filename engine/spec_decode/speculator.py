@@ -279,10 +279,11 @@ class Speculator(NoSpeculation):
 def build_speculator(config: EngineConfig, target: ModelRunner, block_manager: BlockManager,
                      draft_model: torch.nn.Module | None, tokenizer_size: int | None,
                      max_model_len: int,
-                     prepare_runner: Callable[[ModelRunner], None] | None = None
-                     ) -> NoSpeculation:
+                     prepare_runner: Callable[[ModelRunner], None] | None = None,
+                     draft_vocabulary: torch.Tensor | None = None) -> NoSpeculation:
     """The speculation the config asks for (calibrated when adaptive), or `NoSpeculation`.
-    `prepare_runner` is applied to the draft model's runner before calibration."""
+    `prepare_runner` is applied to the draft model's runner before calibration;
+    `draft_vocabulary`: the ids a draft model scores (None: all)."""
     speculative = config.speculative
     if not speculative.enabled:
         return NoSpeculation()
@@ -298,7 +299,7 @@ def build_speculator(config: EngineConfig, target: ModelRunner, block_manager: B
             stop_confidence=speculative.draft_stop_confidence,
             attention_backend=config.attention_backend,
             attention_kv_split=config.attention_kv_split,
-            coupled=speculative.verification == "coupled")
+            coupled=speculative.verification == "coupled", vocabulary=draft_vocabulary)
         if prepare_runner is not None:
             prepare_runner(proposer.runner)
     suffix = None
