@@ -14,9 +14,11 @@ from __future__ import annotations
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer, skip_special_tokens: bool = True,
+                 keep: frozenset[int] = frozenset()) -> None:
         self.tokenizer = tokenizer
         self.skip = skip_special_tokens
+        self.keep = keep  # special tokens written out all the same (Mistral's [TOOL_CALLS])
         # The Rust tokenizer behind a fast tokenizer decodes the same text without the Python
         # wrapper's per-call overhead (unless the wrapper post-processes spaces).
         backend = getattr(tokenizer, "_tokenizer", None)
@@ -28,6 +30,18 @@ class IncrementalDetokenizer:
         self.read_offset = 0  # tokens whose text has been emitted
 
     def _decode(self, ids: list[int]) -> str:
+        if not self.keep.intersection(ids):
+            return self._decode_run(ids)
+        parts, run = [], []
+        for token_id in ids:
+            if token_id in self.keep:
+                parts += [self._decode_run(run), self.tokenizer.convert_ids_to_tokens(token_id)]
+                run = []
+            else:
+                run.append(token_id)
+        return "".join(parts) + self._decode_run(run)
+
+    def _decode_run(self, ids: list[int]) -> str:
         if self._backend is not None:
             return self._backend.decode(ids, skip_special_tokens=self.skip)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip)

@@ -20,12 +20,13 @@ from fastapi.responses import JSONResponse, Response
 from sse_starlette import EventSourceResponse
 
 from engine import SamplingParams
-from server import errors
+from server import errors, tool_parser
 from server.detokenizer import IncrementalDetokenizer, StopChecker
 from server.errors import APIError
 from server.protocol import new_id
 from server.renderers import Renderer, usage
 from server.state import ServerState
+from server.tool_parser import ToolCallParser
 from server.validation import cache_salt, check_accepting, check_model
 
 log = logging.getLogger("specserve.server")
@@ -50,22 +51,24 @@ async def respond(state: ServerState, request: Request, req, prepare: Prepare,
 
 @dataclass
 class ChoiceState:
-    """One choice's text so far: detokenizer, stop strings, logprobs, finish."""
+    """One choice's text so far: detokenizer, stop strings, tool calls, logprobs, finish."""
 
     index: int
     detok: IncrementalDetokenizer
     stops: StopChecker
+    tool_calls: ToolCallParser | None = None  # offered tools: the answer may hold calls
     num_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens the prefix cache served (the engine's count)
     drafted: int = 0
     accepted: int = 0
     spec_methods: dict = field(default_factory=dict)  # method -> (drafted, accepted)
     finish_reason: str | None = None
-    text: str = ""
+    text: str = ""  # the content: without the tool calls
     entries: list = field(default_factory=list)  # (token id, logprobs) of every token
 
     def advance(self, out) -> tuple[str, list]:
-        """Feed one engine output; returns (released text, logprob entries of new tokens)."""
+        """Feed one engine output; returns (released content, logprob entries of new tokens).
+        A repeated tool call ends the choice (`finish_reason` "tool_calls")."""
         if out.finished and out.finish_reason == "abort":
             raise APIError(503, "the request was aborted: the server is shutting down", None,
                            "aborted")
@@ -81,6 +84,12 @@ class ChoiceState:
             self.finish_reason = "stop"
         elif out.finished:
             self.finish_reason = out.finish_reason
+        if self.tool_calls is not None:
+            released, _ = self.tool_calls.feed(released, final=self.done)
+            if self.tool_calls.ended:  # a stop rule: the turn is over, abort the rest
+                self.finish_reason = "tool_calls"
+            elif self.tool_calls.calls and self.finish_reason == "stop":
+                self.finish_reason = "tool_calls"  # ended by itself after calling tools
         self.text += released
         entries = []
         if out.logprobs is not None and out.new_token_ids:
@@ -115,8 +124,10 @@ class Generation:
         completion_id = new_id(renderer.id_prefix)
         streams = [state.client.submit(f"{completion_id}-{i}", prompt_ids, p, salt)
                    for i, p in enumerate(params)]
-        choices = [ChoiceState(i, IncrementalDetokenizer(state.tokenizer), StopChecker(req.stop))
-                   for i in range(req.n)]
+        parsers = [tool_parser.for_request(req, state.tokenizer) for _ in range(req.n)]
+        keep = tool_parser.kept_tokens(state.tokenizer) if parsers[0] else frozenset()
+        choices = [ChoiceState(i, IncrementalDetokenizer(state.tokenizer, keep=keep),
+                               StopChecker(req.stop), parsers[i]) for i in range(req.n)]
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return cls(state, renderer, prompt_ids, choices, streams, completion_id, include_usage)
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from server.protocol import ChatCompletionRequest, CompletionRequest, now
-from server.tools import ToolCallParser
 
 if TYPE_CHECKING:
     from server.generation import ChoiceState
@@ -77,50 +76,42 @@ class Renderer:
 class ChatRenderer(Renderer):
     id_prefix, object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
-    def __init__(self, tokenizer, with_logprobs: bool, tool_names: set[str] | None = None):
+    def __init__(self, tokenizer, with_logprobs: bool) -> None:
         super().__init__(tokenizer, with_logprobs)
-        self.tool_names = tool_names  # offered tools: the answer may hold calls
-        self._parsers: dict[int, ToolCallParser] = {}  # per streamed choice
+        self._num_calls_sent: dict[int, int] = {}  # per streamed choice
 
     @classmethod
     def for_request(cls, tokenizer, req: ChatCompletionRequest) -> ChatRenderer:
-        offered = req.tools and req.tool_mode != "none"
-        return cls(tokenizer, req.logprobs,
-                   {t.function.name for t in req.tools} if offered else None)
+        return cls(tokenizer, req.logprobs)
 
     def opening(self, choices: list[ChoiceState]) -> list[dict]:  # the role, once, first
         return [{"index": c.index, "delta": {"role": "assistant", "content": ""},
                  "logprobs": None, "finish_reason": None} for c in choices]
 
     def stream_choices(self, choice: ChoiceState, text: str, entries: list) -> list[dict]:
-        out, calls, first, finish = [], [], 0, choice.finish_reason
-        if self.tool_names is not None:
-            parser = self._parsers.setdefault(choice.index, ToolCallParser(self.tool_names))
-            first = len(parser.calls)
-            text, calls = parser.feed(text, final=choice.done)
-            finish = _finish(choice.finish_reason, parser.calls)
+        out = []
         if text or entries:
             out.append({"index": choice.index, "delta": {"content": text},
                         "logprobs": self.logprobs(entries), "finish_reason": None})
-        for k, call in enumerate(calls):  # each call whole, once its closing tag arrived
+        sent = self._num_calls_sent.get(choice.index, 0)
+        calls = choice.tool_calls.calls[sent:] if choice.tool_calls is not None else []
+        for k, call in enumerate(calls):  # each call whole, once it is complete
             out.append({"index": choice.index, "delta": {"tool_calls": [
-                {"index": first + k, **call}]}, "logprobs": None, "finish_reason": None})
+                {"index": sent + k, **call}]}, "logprobs": None, "finish_reason": None})
+        self._num_calls_sent[choice.index] = sent + len(calls)
         if choice.done:  # the finish reason comes in a chunk of its own, with an empty delta
             out.append({"index": choice.index, "delta": {}, "logprobs": None,
-                        "finish_reason": finish})
+                        "finish_reason": choice.finish_reason})
         return out
 
     def final_choice(self, choice: ChoiceState) -> dict:
         message = {"role": "assistant", "content": choice.text}
-        finish = choice.finish_reason
-        if self.tool_names is not None:
-            content, calls = ToolCallParser(self.tool_names).feed(choice.text, final=True)
-            message["content"] = content if content.strip() or not calls else None
-            if calls:
-                message["tool_calls"] = calls
-            finish = _finish(finish, calls)
+        calls = choice.tool_calls.calls if choice.tool_calls is not None else []
+        if calls:
+            message["content"] = choice.text if choice.text.strip() else None
+            message["tool_calls"] = calls
         return {"index": choice.index, "message": message,
-                "logprobs": self.logprobs(choice.entries), "finish_reason": finish}
+                "logprobs": self.logprobs(choice.entries), "finish_reason": choice.finish_reason}
 
     def logprobs(self, entries: list) -> dict | None:
         if not self.with_logprobs:
@@ -132,11 +123,6 @@ class ChatRenderer(Renderer):
     def _token(self, token_id: int, logprob: float) -> dict:
         text = self.tokenizer.decode([token_id])
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-
-
-def _finish(reason: str | None, calls: list) -> str | None:
-    """A choice that ended by itself after calling tools finishes with "tool_calls"."""
-    return "tool_calls" if calls and reason == "stop" else reason
 
 
 class CompletionRenderer(Renderer):

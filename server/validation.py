@@ -13,6 +13,7 @@ import math
 
 from engine import InvalidRequestError, SamplingParams
 from engine.sample.keys import choice_seed
+from server import tool_grammar
 from server import tools
 from server.errors import APIError
 from server.middleware import TENANT
@@ -72,7 +73,7 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> tuple[list[i
     max_tokens = req.max_completion_tokens or req.max_tokens
     return prompt_ids, sampling_params(state, req, prompt_ids, max_tokens, num_logprobs,
                                        prompt_field="messages",
-                                       grammar=tool_grammar(state, req))
+                                       grammar=call_grammar(state, req))
 
 
 def check_tool_choice(req: ChatCompletionRequest) -> None:
@@ -88,18 +89,25 @@ def check_tool_choice(req: ChatCompletionRequest) -> None:
         raise APIError(400, "tools: function names must be unique", "tools", "invalid_value")
 
 
-def tool_grammar(state: ServerState, req: ChatCompletionRequest) -> tuple[str, str] | None:
-    """The grammar that enforces tool_choice "required" or a named function, else None."""
+def call_grammar(state: ServerState, req: ChatCompletionRequest) -> tuple[str, str] | None:
+    """The grammar of the calls tool_choice allows: "required" or a named function (calls
+    only), "auto" (text or calls; unless response_format or guided decoding constrains the
+    answer instead), else None."""
     mode = req.tool_mode
-    if mode not in ("required", "named"):
+    if mode == "none" or (mode == "auto" and request_grammar(req) is not None):
         return None
     if request_grammar(req) is not None:
         raise APIError(400, f"tool_choice {mode!r} cannot be combined with response_format or "
                             f"guided decoding", "tool_choice", "invalid_value")
     offered = [t.model_dump(exclude_none=True) for t in req.tools]
-    name = req.tool_choice.function.name if mode == "named" else None
     try:
-        grammar = tools.call_grammar(state.tokenizer, offered, name, req.parallel_tool_calls)
+        if mode == "auto":
+            grammar = tool_grammar.auto_grammar(state.tokenizer, offered,
+                                                req.parallel_tool_calls)
+        else:
+            name = req.tool_choice.function.name if mode == "named" else None
+            grammar = tool_grammar.forced_grammar(state.tokenizer, offered, name,
+                                                  req.parallel_tool_calls)
     except (ValueError, TypeError) as exc:
         raise APIError(400, f"invalid tools: {exc}", "tools", "invalid_value") from None
     return grammar, "tools"
