@@ -99,8 +99,8 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     # weight-only quantized linears (engine/models/quantize.py): none | int8 | int4 | auto
-    # (auto: the GGUF's own 4-bit blocks as int4 and its 5-8-bit layers as int8, on the CPU;
-    # none on CUDA or without a GGUF source). Output is exact for the weights served: greedy
+    # (auto: int4 on the CPU, the GGUF's own 4-bit blocks kept and its other layers
+    # re-quantized to int4; none on CUDA or without a GGUF source). Output is exact for the weights served: greedy
     # with speculation == greedy without; it differs from the unquantized model's as any
     # quantized model's does.
     quantization: str = "none"

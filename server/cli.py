@@ -156,8 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--dtype", help="float32 | bfloat16 | float16")
     srv.add_argument("--num-threads", type=int, help="torch CPU threads")
     srv.add_argument("--quantization", choices=list(QUANTIZATION_MODES),
-                     help="weight-only quantized linears of the target (auto: the GGUF's own "
-                          "4-bit blocks as int4, its 5-8-bit layers as int8, on the CPU)")
+                     help="weight-only quantized linears of the target (auto: int4 on the CPU "
+                          "from the GGUF's own 4-bit blocks, none on CUDA)")
     srv.add_argument("--draft-quantization", choices=list(QUANTIZATION_MODES),
                      help="the same for the draft model")
     srv.add_argument("--draft-vocab-size", type=int,
