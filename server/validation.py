@@ -87,6 +87,18 @@ def check_tool_choice(req: ChatCompletionRequest) -> None:
                                 f"tools", "tool_choice", "invalid_value")
     if req.tools and len({t.function.name for t in req.tools}) < len(req.tools):
         raise APIError(400, "tools: function names must be unique", "tools", "invalid_value")
+    check_tool_results(req)
+
+
+def check_tool_results(req: ChatCompletionRequest) -> None:
+    """Every tool message answers a call of an earlier assistant message, by its id."""
+    called: set[str] = set()
+    for i, m in enumerate(req.messages):
+        called.update(c.id for c in m.tool_calls or ())
+        if m.role == "tool" and m.tool_call_id not in called:
+            raise APIError(400, f"messages[{i}]: tool_call_id {m.tool_call_id!r} answers no "
+                                f"earlier assistant tool call", f"messages.{i}.tool_call_id",
+                           "invalid_value")
 
 
 def call_grammar(state: ServerState, req: ChatCompletionRequest) -> tuple[str, str] | None:

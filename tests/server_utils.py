@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -16,13 +17,13 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def save_tiny_model(folder: Path) -> Path:
+def save_tiny_model(folder: Path, max_positions: int = 1024) -> Path:
     """A tiny random Qwen2 with the test tokenizer and a ChatML template, as a local folder."""
     from conftest import build_tiny_model, build_tokenizer
 
     tok = build_tokenizer()
     tok.chat_template = CHATML
-    model = build_tiny_model("qwen2", vocab_size=len(tok))
+    model = build_tiny_model("qwen2", vocab_size=len(tok), max_positions=max_positions)
     model.generation_config.eos_token_id = tok.eos_token_id
     model.config.eos_token_id = tok.eos_token_id
     folder.mkdir(parents=True, exist_ok=True)
@@ -83,3 +84,63 @@ class ServerProcess:
                 self.proc.wait()
         self._log.close()
         return self.proc.returncode
+
+
+def chat_prompt_ids(tokenizer, body: dict) -> list[int]:
+    """The prompt the server renders for a chat request `body` (its own function)."""
+    from types import SimpleNamespace
+
+    from server.protocol import ChatCompletionRequest
+    from server.validation import chat_prompt_ids as render
+
+    return render(SimpleNamespace(tokenizer=tokenizer), ChatCompletionRequest(**body))
+
+
+def save_scripted_tiny_model(folder: Path, scripts: list[tuple[dict, str]],
+                             steps: int = 400) -> Path:
+    """A tiny Qwen2 (as `save_tiny_model`) trained until its greedy reply to each chat request
+    body of `scripts` is the given text: a real model that writes what a test needs (a fenced
+    call, a call repeated in a loop, a text answer after a tool result)."""
+    import torch
+
+    from conftest import build_tiny_model, build_tokenizer
+
+    tok = build_tokenizer()
+    tok.chat_template = CHATML
+    model = build_tiny_model("qwen2", vocab_size=len(tok)).train()
+    rows = []
+    for body, reply in scripts:
+        prompt = chat_prompt_ids(tok, body)
+        rows.append((prompt, tok.encode(reply, add_special_tokens=False) + [tok.eos_token_id]))
+    optim = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for _ in range(steps):
+        for prompt, reply in rows:
+            ids = torch.tensor([prompt + reply])
+            labels = torch.tensor([[-100] * len(prompt) + reply])
+            loss = model(input_ids=ids, labels=labels).loss
+            optim.zero_grad()
+            loss.backward()
+            optim.step()
+    model.eval()
+    model.generation_config.eos_token_id = tok.eos_token_id
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+@contextmanager
+def tiny_server(model_dir: Path, name: str):
+    """A running server of a tiny model folder on one thread, with n-gram speculation on; it
+    must exit cleanly."""
+    srv = ServerProcess(["--model", str(model_dir), "--served-model-name", name,
+                         "--device", "cpu", "--num-threads", "1", "--speculative", "ngram",
+                         "--k-max", "4"]).wait_ready()
+    yield srv
+    assert srv.terminate() == 0, srv.log()
+
+
+def openai_client(srv: ServerProcess):
+    import openai
+
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)

@@ -6,10 +6,9 @@ import json
 
 import httpx
 import jsonschema
-import openai
 import pytest
 
-from server_utils import ServerProcess, save_tiny_model
+from server_utils import openai_client, save_tiny_model, tiny_server
 
 MODEL = "tiny"
 ASK = [{"role": "user", "content": "Describe a point."}]
@@ -33,16 +32,13 @@ FORMAT = {"type": "json_schema", "json_schema": {"name": "point", "schema": SCHE
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     model_dir = save_tiny_model(tmp_path_factory.mktemp("tiny-model"))
-    srv = ServerProcess(["--model", str(model_dir), "--served-model-name", MODEL,
-                         "--device", "cpu", "--num-threads", "1", "--speculative", "ngram",
-                         "--k-max", "4"]).wait_ready()
-    yield srv
-    assert srv.terminate() == 0, srv.log()
+    with tiny_server(model_dir, MODEL) as srv:
+        yield srv
 
 
 @pytest.fixture
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    return openai_client(server)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
