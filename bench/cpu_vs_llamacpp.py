@@ -17,10 +17,15 @@ own plain output (greedy identity: answers identical, and the mean share of an a
 the first difference), int4 vs bf16 (what quantization changes), c=8 vs c=1, and memory (RSS
 of the server process after the run, and its peak).
 
+Per-forward costs, in this process on the same settings (the int4 target and the int4 draft
+with its vocabulary subset, batch invariance on, a 200-token context): the target's forward of
+1 new token, of 1 + 4 (a verification), and the draft's forward of 1 token; the median of 12.
+
 Ends with `RESULT int4_vs_bf16_plain=… ours_spec_vs_llamacpp_plain=…
-ours_spec_vs_llamacpp_spec=… ours_c8_vs_llamacpp_c8=… ours_suffix_vs_llamacpp_plain=…` (ours
-spec: int4 + the int4 draft model; at c=8: int4 + the draft; llama.cpp at c=8: the faster of
-its two settings; suffix: int4 with suffix speculation, no draft model) and writes
+ours_spec_vs_llamacpp_spec=… ours_c8_vs_llamacpp_c8=… ours_suffix_vs_llamacpp_plain=…
+int4_spec_vs_int4_plain=… verify5_vs_step1=… draft_vs_target_step=…` (ours spec: int4 + the
+int4 draft model; at c=8: int4 + the draft; llama.cpp at c=8: the faster of its two settings;
+suffix: int4 with suffix speculation, no draft model) and writes
 bench/results/cpu_vs_llamacpp.md.
 """
 
@@ -108,6 +113,38 @@ def measure(url: str, prompts: list, max_tokens: int) -> dict:
             "c8": sum(c[1] for c in c8) / wall, "tokens": sum(c[1] for c in c1)}
 
 
+def forward_costs(threads: int, draft_vocab_size: int, context: int = 200) -> dict[str, float]:
+    """Median seconds of one runner forward: target 1 row, target 1 + 4 rows, draft 1 row."""
+    import torch
+
+    from engine import EngineConfig, LLMEngine
+    from engine.model_runner import RunItem
+
+    torch.set_num_threads(threads)
+    engine = LLMEngine(EngineConfig(
+        model=TARGET, dtype="bfloat16", device="cpu", quantization="int4", num_threads=threads,
+        kv_cache_memory_gb=0.25,
+        speculative={"method": "draft_model", "draft_model": DRAFT,
+                     "draft_quantization": "int4", "draft_vocab_size": draft_vocab_size,
+                     "calibrate": False}))
+    table = list(range(context // engine.config.block_size + 2))
+    prompt = RunItem(list(range(1000, 1000 + context)), 0, table, 1, None)
+
+    def median(runner, rows: int) -> float:
+        item = RunItem(list(range(100, 100 + rows)), context, table, rows, context - 50)
+        times = []
+        for i in range(15):
+            start = time.perf_counter()
+            runner.execute([item])
+            times.append(time.perf_counter() - start)
+        return sorted(times[3:])[6]
+
+    target, draft = engine.runner, engine.speculator.proposer.runner
+    target.execute([prompt]), draft.execute([prompt])
+    return {"target 1 row": median(target, 1), "target 1 + 4 rows": median(target, 5),
+            "draft 1 row": median(draft, 1)}
+
+
 def same(a: list[str], b: list[str]) -> str:
     """Answers identical, and the mean share of an answer before the first difference."""
     shared = [len(os.path.commonprefix([x, y])) / max(len(x), len(y), 1) for x, y in zip(a, b)]
@@ -120,6 +157,7 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--k-max", type=int, default=4)
+    parser.add_argument("--draft-vocab-size", type=int, default=32768)
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "cpu_vs_llamacpp.md"))
     args = parser.parse_args()
     binary = Path(args.llama_server)
@@ -145,7 +183,8 @@ def main() -> int:
         "specserve int4 plain": ["--speculative", "none", "--quantization", "int4"],
         "specserve int4 + draft int4 (adaptive)": [
             "--quantization", "int4", "--speculative", "draft_model", "--draft-model", DRAFT,
-            "--draft-quantization", "int4", "--k-max", str(args.k_max)],
+            "--draft-quantization", "int4", "--k-max", str(args.k_max),
+            "--draft-vocab-size", str(args.draft_vocab_size)],
         "specserve int4 + suffix (adaptive)": ["--quantization", "int4",
                                                "--speculative", "suffix"],
     }
@@ -174,6 +213,7 @@ def main() -> int:
         print(f"{name}: c1 {runs[name]['c1']:.2f} tok/s, c8 {runs[name]['c8']:.2f} tok/s",
               flush=True)
 
+    costs = forward_costs(args.threads, args.draft_vocab_size)
     bf16, int4, spec, suffix = (runs[n] for n in ours)
     lplain, lspec = runs["llama.cpp Q4_K_M plain"], runs["llama.cpp Q4_K_M + draft"]
     identity = {
@@ -193,12 +233,17 @@ def main() -> int:
         lines.append(f"| {name} | {r['c1']:.2f} | {r['c8']:.2f} | {identity[name]} | "
                      f"{same(r['texts_c8'], r['texts'])} | {r['rss'][0]:.2f} "
                      f"({r['rss'][1]:.2f}) |")
+    lines += ["", "| forward (in process, int4, 200-token context) | ms |", "|---|---|"]
+    lines += [f"| {name} | {seconds * 1e3:.1f} |" for name, seconds in costs.items()]
     table = "\n".join(lines)
     result = (f"RESULT int4_vs_bf16_plain={int4['c1'] / bf16['c1']:.2f} "
               f"ours_spec_vs_llamacpp_plain={spec['c1'] / lplain['c1']:.2f} "
               f"ours_spec_vs_llamacpp_spec={spec['c1'] / lspec['c1']:.2f} "
               f"ours_c8_vs_llamacpp_c8={spec['c8'] / max(lplain['c8'], lspec['c8']):.2f} "
-              f"ours_suffix_vs_llamacpp_plain={suffix['c1'] / lplain['c1']:.2f}")
+              f"ours_suffix_vs_llamacpp_plain={suffix['c1'] / lplain['c1']:.2f} "
+              f"int4_spec_vs_int4_plain={spec['c1'] / int4['c1']:.2f} "
+              f"verify5_vs_step1={costs['target 1 + 4 rows'] / costs['target 1 row']:.2f} "
+              f"draft_vs_target_step={costs['draft 1 row'] / costs['target 1 row']:.2f}")
     print(table)
     print(result)
     write_results(args.out, "specserve vs llama.cpp on this CPU (Qwen2.5-Coder 1.5B + 0.5B)",
@@ -209,7 +254,8 @@ def main() -> int:
                    f"{args.max_tokens} new tokens, c=1 then all 8 at once (c=8); KV cache for "
                    f"{CONTEXT} tokens in both servers",
                    "specserve int4: the GGUF's Q4_K blocks as they are, Q6_K layers "
-                   "(lm_head, half of v/down) re-quantized to int4 group 32; draft int4 likewise"],
+                   "(lm_head, half of v/down) re-quantized to int4 group 32; draft int4 likewise, "
+                   f"its vocabulary cut to {args.draft_vocab_size} tokens (0: all)"],
                   table, result)
     return 0
 
