@@ -97,7 +97,8 @@ def test_auto_turns_a_fenced_json_call_into_tool_calls(client):
     assert names_and_args(message.tool_calls) == [("get_weather", {"city": "Paris"})]
     content, calls, finish = streamed(client, PARIS)
     assert (content, finish) == ("", "tool_calls")
-    assert calls == {0: {"name": "get_weather", "arguments": message.tool_calls[0].function.arguments}}
+    arguments = message.tool_calls[0].function.arguments
+    assert calls == {0: {"name": "get_weather", "arguments": arguments}}
 
 
 def test_a_text_answer_after_the_tool_result(client):

@@ -148,7 +148,8 @@ REPLIES = {
     "fenced pretty": '```json\n{\n  "name": "get_weather",\n  "arguments": {"city": "Paris"}\n}'
                      '\n```',
     "list": "[" + obj("get_weather", city="Paris") + ", " + obj("get_time", zone="UTC") + "]",
-    "tag": call("get_time", zone="UTC"), "text then tag": "Let me see.\n" + call("get_time", zone="UTC"),
+    "tag": call("get_time", zone="UTC"),
+    "text then tag": "Let me see.\n" + call("get_time", zone="UTC"),
     "two tags": call("get_weather", city="Paris") + "\n" + call("get_time", zone="UTC"),
     "bad arguments": obj("get_weather", town="Paris"),
     "half a call": '{"name": "get_weather"}',
