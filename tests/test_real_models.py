@@ -212,7 +212,6 @@ def test_smollm2_json_schema_with_and_without_speculation(smollm2_path):
     from transformers import AutoTokenizer
 
     from engine import structured
-    from engine.config import SpeculativeConfig
 
     tok = AutoTokenizer.from_pretrained(smollm2_path)
     asks = ["Describe a fictional software engineer as JSON.",
@@ -220,20 +219,63 @@ def test_smollm2_json_schema_with_and_without_speculation(smollm2_path):
     prompts = [tok.apply_chat_template([{"role": "user", "content": a}],
                                        add_generation_prompt=True, tokenize=True,
                                        return_dict=False) for a in asks]
-    grammar = structured.json_schema(PERSON)
-    params = [SamplingParams(temperature=0, max_tokens=160, grammar=grammar),
-              SamplingParams(temperature=0.8, max_tokens=160, grammar=grammar, seed=3)]
+    outputs = _greedy_and_seeded_by_method(smollm2_path, prompts,
+                                           structured.json_schema(PERSON), 160)
+    for outs in outputs.values():
+        for out in outs:
+            assert out.finish_reason == "stop", out.text
+            jsonschema.validate(json.loads(out.text), PERSON)
+
+
+def _greedy_and_seeded_by_method(smollm2_path: str, prompts: list, grammar: str,
+                                 max_tokens: int) -> dict:
+    """Each prompt's greedy and seeded (t = 0.8) answers under `grammar`, per speculation
+    method (none, n-gram, draft model), after checking they are the same tokens for all."""
+    from engine.config import SpeculativeConfig
+
+    params = [SamplingParams(temperature=0, max_tokens=max_tokens, grammar=grammar),
+              SamplingParams(temperature=0.8, max_tokens=max_tokens, grammar=grammar, seed=3)]
     outputs = {}
     for method in ("none", "ngram", "draft_model"):
         spec = SpeculativeConfig(method=method, k_max=4, adaptive=False, calibrate=False,
                                  draft_model=smollm2_path if method == "draft_model" else None)
         eng = LLMEngine(EngineConfig(model=smollm2_path, dtype="bfloat16", num_blocks=256,
                                      speculative=spec))
-        outputs[method] = eng.generate([p for p in prompts for _ in params], params * 2)
-    for outs in outputs.values():
-        for out in outs:
-            assert out.finish_reason == "stop", out.text
-            jsonschema.validate(json.loads(out.text), PERSON)
+        outputs[method] = eng.generate([p for p in prompts for _ in params], params * len(prompts))
     for method in ("ngram", "draft_model"):
         assert ([o.output_token_ids for o in outputs[method]]
                 == [o.output_token_ids for o in outputs["none"]]), method
+    return outputs
+
+
+def test_smollm2_tool_calls_with_and_without_speculation(smollm2_path):
+    """The grammars of `tool_choice` "auto" (text or whole calls; SmolLM2 answers in text) and
+    "required" (calls): the same answers with speculation as without, and every call the parser
+    finds validates."""
+    import json
+
+    import jsonschema
+    from transformers import AutoTokenizer
+
+    from server import tool_grammar, tools
+    from server.tool_parser import ToolCallParser
+
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+        "required": ["city"], "additionalProperties": False}}}
+    prompts = []
+    for ask in ("What's the weather in Paris right now?", "Write one line about the sea."):
+        messages, _ = tools.template_messages([{"role": "user", "content": ask}], [weather],
+                                              native=False)  # SmolLM2's template has no tools
+        prompts.append(tok.apply_chat_template(messages, add_generation_prompt=True,
+                                               tokenize=True, return_dict=False))
+    for grammar in (tool_grammar.auto_grammar(tok, [weather], True),
+                    tool_grammar.forced_grammar(tok, [weather], None, True)):
+        outputs = _greedy_and_seeded_by_method(smollm2_path, prompts, grammar, 96)
+        for out in outputs["none"]:
+            _, calls = ToolCallParser({"get_weather"}).feed(out.text, final=True)
+            for call in calls:
+                jsonschema.validate(json.loads(call["function"]["arguments"]),
+                                    weather["function"]["parameters"])
+    assert calls, "the required grammar's answers are calls"
