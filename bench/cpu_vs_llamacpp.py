@@ -166,8 +166,8 @@ def main() -> int:
               file=sys.stderr)
         return 2
     version_file = binary.parent.parent / "VERSION"
-    llama_version = (version_file.read_text().splitlines()[0] if version_file.is_file()
-                     else "version unknown")
+    llama_version = ("; ".join(version_file.read_text().splitlines()) if version_file.is_file()
+                     else "version unknown")  # the package, then the build options
     version = subprocess.run([str(binary), "--version"], capture_output=True, text=True)
     llama_version += "; " + " ".join((version.stdout + version.stderr).split())
     target_gguf, draft_gguf = recipes.source_gguf(TARGET), recipes.source_gguf(DRAFT)
