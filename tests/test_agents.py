@@ -19,8 +19,8 @@ INSTRUCTIONS = ("You are a helpful assistant with tools. When a <tool_response> 
                 "conversation, the tool has already run: do not call it again, answer the user's "
                 "question from it in one plain sentence.")
 REPORT = "21 degrees Celsius and sunny"
-# short ASCII strings: a random model never ends a string by itself, and writes bytes of
-# characters few tokens spell
+# short ASCII strings: a random model never ends a string by itself, and characters outside
+# ASCII cost the tiny tokenizer several tokens each
 City = Annotated[str, Field(pattern=r"^[A-Za-z ]{1,12}$")]
 Zone = Annotated[str, Field(pattern=r"^[A-Za-z/_]{1,8}$")]
 
@@ -53,8 +53,6 @@ def tiny(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny-model")
     with tiny_server(save_tiny_model(folder, max_positions=4096), TINY) as srv:
         yield srv
-
-
 
 
 def langchain_agent(url: str, model: str, calls: Calls, first_turn: str | None):
