@@ -15,7 +15,7 @@ case "$PY" in */*) PY="$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")" ;; esa
 FLAGS="$(grep -m1 '^flags' /proc/cpuinfo || true)"
 ISA=""
 for pair in avx:AVX avx2:AVX2 bmi2:BMI2 fma:FMA f16c:F16C avx512f:AVX512 \
-    avx512_vbmi:AVX512_VBMI avx512_vnni:AVX512_VNNI avx512_bf16:AVX512_BF16; do
+    avx512vbmi:AVX512_VBMI avx512_vnni:AVX512_VNNI avx512_bf16:AVX512_BF16; do
   if grep -qw "${pair%%:*}" <<< "$FLAGS"; then ISA="$ISA -DGGML_${pair#*:}=ON"; fi
 done
 OPTIONS="-DGGML_NATIVE=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF$ISA"
