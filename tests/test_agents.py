@@ -149,9 +149,8 @@ def qwen(tmp_path_factory):
 
     for name in ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"):
         fetch(name)
-    # the draft in bf16: these tests are about tool calls, not the int4 kernels
-    srv = ServerProcess(["--config", "configs/default.yaml", "--num-threads", "2",
-                         "--draft-quantization", "none"]).wait_ready(timeout=300)
+    srv = ServerProcess(["--config", "configs/default.yaml", "--num-threads", "2"]
+                        ).wait_ready(timeout=300)
     yield srv
     assert srv.terminate() == 0, srv.log()
 
