@@ -100,9 +100,9 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     # weight-only quantized linears (engine/models/quantize.py): none | int8 | int4 | auto
     # (auto: int4 on the CPU, the GGUF's own 4-bit blocks kept and its other layers
-    # re-quantized to int4; none on CUDA or without a GGUF source). Output is exact for the weights served: greedy
-    # with speculation == greedy without; it differs from the unquantized model's as any
-    # quantized model's does.
+    # re-quantized to int4; none on CUDA or without a GGUF source). Output is exact for the
+    # weights served: greedy with speculation == greedy without; it differs from the
+    # unquantized model's as any quantized model's does.
     quantization: str = "none"
     # int4 linears of the target and the draft on the CPU: vnni (our AVX-512 VNNI kernel,
     # activations quantized to int8 per group of 32 as llama.cpp does), torch (torch's

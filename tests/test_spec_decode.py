@@ -15,7 +15,7 @@ LENGTHS = [3, 50, 17, 90, 8, 33, 1, 64]
 
 
 def make_engine(target, method="none", draft=None, k_max=4, adaptive=False, stop_confidence=0.0,
-                verification="coupled", draft_vocab_size=0, **kw):
+                verification="coupled", draft_vocab_size=0, draft_quantization="none", **kw):
     """stop_confidence 0 by default: random tiny drafts are unsure, and the tests want full
     k-token drafts; the confidence stop has tests of its own."""
     cfg = dict(num_blocks=256, max_num_batched_tokens=128, max_num_seqs=16)
@@ -23,7 +23,8 @@ def make_engine(target, method="none", draft=None, k_max=4, adaptive=False, stop
     spec = SpeculativeConfig(method=method, draft_model="in-memory" if draft else None,
                              k_max=k_max, adaptive=adaptive, calibrate=adaptive,
                              draft_stop_confidence=stop_confidence, verification=verification,
-                             draft_vocab_size=draft_vocab_size)
+                             draft_vocab_size=draft_vocab_size,
+                             draft_quantization=draft_quantization)
     return LLMEngine(EngineConfig(speculative=spec, **cfg), model=clone_model(target),
                      draft_model=clone_model(draft) if draft is not None else None)
 
@@ -172,20 +173,31 @@ def drafted_tokens(engine) -> list[int]:
     return seen
 
 
-def test_draft_vocabulary_subset_stays_exact_and_drafts_inside_it():
-    target = build_tiny_model("qwen2")
+@pytest.mark.parametrize("served", [False, True])
+def test_draft_vocabulary_subset_stays_exact_and_drafts_inside_it(served):
+    """served: as the default config runs on the CPU (bf16, int4 target and draft, batch
+    invariance on), and each request alone as well as all at once."""
+    import torch
+
+    kw = dict(dtype="bfloat16", quantization="int4") if served else {}
+    target = build_tiny_model("qwen2", dtype=torch.bfloat16 if served else torch.float32)
     prompts = random_prompts(LENGTHS)
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     seeded = [SamplingParams(temperature=1.0, max_tokens=24, seed=s, ignore_eos=True)
               for s in range(len(prompts))]
-    plain = make_engine(target)
+    plain = make_engine(target, **kw)
     expected = [o.output_token_ids for o in plain.generate(prompts, greedy)
                 + plain.generate(prompts, seeded)]
     # a copy of the target as the draft: it agrees wherever the subset lets it
-    engine = make_engine(target, "draft_model", target, draft_vocab_size=100)
+    engine = make_engine(target, "draft_model", target, draft_vocab_size=100,
+                         draft_quantization="int4" if served else "none", **kw)
     seen = drafted_tokens(engine)
     outs = engine.generate(prompts, greedy) + engine.generate(prompts, seeded)
     assert [o.output_token_ids for o in outs] == expected
+    if served:
+        alone = [engine.generate([p], sp)[0].output_token_ids
+                 for sp, p in [(greedy, p) for p in prompts] + list(zip(seeded, prompts))]
+        assert alone == expected
     assert engine.speculator.proposer.runner.shape.vocab_size == 128  # 100 rounded up to 64s
     assert seen and max(seen) < 128  # no tokenizer: the 128 lowest ids
     emitted = [t for ids in expected for t in ids]

@@ -232,15 +232,14 @@ def quantize_model(model: torch.nn.Module, mode: str, source: str | Path | None 
         return counts
     dtype = model.get_input_embeddings().weight.dtype
     for name, linear in list(_linears(model)):
-        kind = mode
         if linear.in_features % GROUP_SIZE:
             counts["unchanged"] += 1
             continue
-        groups = stored.int4_groups(name) if kind == "int4" and stored is not None else None
+        groups = stored.int4_groups(name) if mode == "int4" and stored is not None else None
         if groups is not None and groups[0].shape != linear.weight.shape:
             raise ValueError(f"{name}: stored GGUF codes {tuple(groups[0].shape)} do not match "
                              f"the model's weight {tuple(linear.weight.shape)}")
-        if kind == "int4":
+        if mode == "int4":
             counts["int4_gguf" if groups is not None else "int4"] += 1
             codes, scale, offset = groups if groups is not None else quantize_int4_rtn(
                 linear.weight)
