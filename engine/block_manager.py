@@ -147,6 +147,18 @@ class BlockManager:
                 self.free_queue[block_id] = None
         seq.block_table = []
 
+    def consistent(self, sequences: list[Sequence]) -> bool:
+        """Every block's ref count equals the block tables of `sequences` (all live ones) that
+        hold it, and the free list is exactly the blocks nobody holds."""
+        held = [0] * self.num_blocks
+        for seq in sequences:
+            for block_id in seq.block_table:
+                if not 0 <= block_id < self.num_blocks:
+                    return False
+                held[block_id] += 1
+        return (all(b.ref_count == n for b, n in zip(self.blocks, held))
+                and set(self.free_queue) == {i for i, n in enumerate(held) if n == 0})
+
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]
         if block.ref_count == 0:

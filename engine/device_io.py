@@ -95,3 +95,15 @@ class Marks:
 
     def seconds(self, start, end) -> float:
         return start.elapsed_time(end) / 1000.0 if self.cuda else end - start
+
+
+def healthy(device: torch.device) -> bool:
+    """The device still runs work: after a CUDA error (sticky: every later call fails) it does
+    not. Always true on the CPU."""
+    if torch.device(device).type != "cuda":
+        return True
+    try:
+        torch.cuda.synchronize(device)
+        return True
+    except Exception:  # noqa: BLE001 - any failure means the device is gone
+        return False

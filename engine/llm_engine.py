@@ -23,7 +23,7 @@ from engine import device_io, memory_plan
 from engine.attention.paged import PagedKVCache
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, StepError
 from engine.memory_plan import GiB
 from engine.model_runner import DeviceTokens, ModelRunner, ModelShape, RunItem, StepLogits
 from engine.models.draft import draft_source, draft_vocabulary, load_draft, prepare_draft
@@ -339,8 +339,31 @@ class LLMEngine:
 
     # -- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run, verify, update, propose."""
+        """Schedule, run, verify, update, propose.
+
+        If anything in it raises, the requests it touched are aborted and StepError names them
+        (engine/errors.py); the others stay queued when the engine's state is still intact."""
+        self._touched = list(self.scheduler.running)  # until the schedule says who runs
+        try:
+            return self._step()
+        except Exception as exc:
+            raise self._fail_step() from exc
+
+    def _fail_step(self) -> StepError:
+        """Abort the requests a failed step touched; say whether the rest can go on."""
+        ids = [seq.request_id for seq in self._touched if not seq.is_finished]
+        for rid in ids:
+            try:
+                self.abort(rid)
+            except Exception:  # noqa: BLE001 - state too broken to abort: reported as lost
+                log.exception("request %s: abort after a failed step failed", rid)
+        live = list(self.scheduler.running) + list(self.scheduler.waiting)
+        intact = self.block_manager.consistent(live) and device_io.healthy(self.device)
+        return StepError(ids, intact)
+
+    def _step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
+        self._touched = [s.seq for s in out.scheduled]
         self.speculator.drop(out.preempted, finished=False)
         if out.is_empty:
             return []
@@ -364,6 +387,7 @@ class LLMEngine:
                                 ((o.seq, len(o.drafts), len(e) - 1)
                                  for o, e in zip(owners, emitted)))
         changed = self._update(out, owners, emitted, logprobs)
+        self._touched = list(self.scheduler.running)  # proposing drafts touches every one
         self.speculator.propose(self.scheduler.running, self._num_joining(),
                                 self._draft_row_spec)
         return [self._output(seq) for seq in changed]

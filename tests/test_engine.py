@@ -200,3 +200,61 @@ def test_text_prompts_with_tokenizer(tiny_tokenizer):
     ids = tiny_tokenizer.encode("The quick brown fox", add_special_tokens=False)
     assert out.prompt_token_ids == ids
     assert out.text == tiny_tokenizer.decode(out.output_token_ids, skip_special_tokens=True)
+
+
+def _fail_on_step(engine, n, corrupt=False):
+    """Make the engine's n-th step raise inside the target forward (a test hook); with
+    `corrupt`, it also leaves a block ref count wrong first."""
+    execute, calls = engine.runner.execute, [0]
+
+    def failing(*args, **kw):
+        calls[0] += 1
+        if calls[0] == n:
+            if corrupt:
+                engine.block_manager.blocks[0].ref_count += 1
+            raise RuntimeError("injected failure")
+        return execute(*args, **kw)
+
+    engine.runner.execute = failing
+
+
+@pytest.mark.parametrize("spec", [False, True])
+def test_failed_step_aborts_its_requests_and_the_rest_go_on(spec):
+    from engine import StepError
+
+    model = build_tiny_model("qwen2")
+    extra = dict(speculative=dict(method="suffix", k_max=3, adaptive=False,
+                                  calibrate=False)) if spec else {}
+    prompts = [p * 3 for p in random_prompts([6, 7, 4, 5], seed=3)]  # repeats to draft from
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    clean = engine_for(model, max_num_seqs=2, **extra).generate(prompts, params)
+    engine = engine_for(model, max_num_seqs=2, **extra)
+    ids = [engine.add_request(p, params) for p in prompts]
+    _fail_on_step(engine, 3)
+    final, failed = {}, None
+    for _ in range(200):
+        if not engine.has_unfinished():
+            break
+        try:
+            outs = engine.step()
+        except StepError as exc:
+            assert failed is None and exc.intact
+            assert isinstance(exc.__cause__, RuntimeError)
+            failed = exc.request_ids
+            continue
+        final.update({o.request_id: o for o in outs if o.finished})
+    assert failed == ids[:2]  # the two running ones; the waiting ones were not touched
+    for rid, ref in zip(ids[2:], clean[2:]):
+        assert final[rid].output_token_ids == ref.output_token_ids
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_failed_step_with_broken_state_says_so():
+    from engine import StepError
+
+    engine = engine_for(build_tiny_model("qwen2"))
+    engine.add_request([1, 2, 3], SamplingParams(max_tokens=4))
+    _fail_on_step(engine, 1, corrupt=True)
+    with pytest.raises(StepError) as info:
+        engine.step()
+    assert not info.value.intact
