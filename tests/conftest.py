@@ -75,6 +75,21 @@ def tiny_model():
     return build_tiny_model("qwen2")
 
 
+def staggered(engine, prompts, params, arrive_every=2, max_steps=3000):
+    """Run `prompts` adding one request every `arrive_every` steps (`params`: one
+    SamplingParams or one per prompt); the finished outputs in arrival order."""
+    if not isinstance(params, list):
+        params = [params] * len(prompts)
+    ids, final, step = [], {}, 0
+    while len(final) < len(prompts):
+        if len(ids) < len(prompts) and step % arrive_every == 0:
+            ids.append(engine.add_request(prompts[len(ids)], params[len(ids)]))
+        final.update((out.request_id, out) for out in engine.step() if out.finished)
+        step += 1
+        assert step < max_steps
+    return [final[i] for i in ids]
+
+
 def random_prompts(lengths, vocab_size=320, seed=1):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(2, vocab_size, (n,), generator=g).tolist() for n in lengths]

@@ -3,8 +3,7 @@ speculation equals plain, alone and batched, on the Triton attention backend, wi
 
 import pytest
 import torch
-from conftest import build_tiny_model, random_prompts
-from test_spec_decode import staggered
+from conftest import build_tiny_model, random_prompts, staggered
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.config import SpeculativeConfig

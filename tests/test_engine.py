@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import build_tiny_model, clone_model, random_prompts
+from conftest import build_tiny_model, clone_model, random_prompts, staggered
 from engine import EngineConfig, LLMEngine, SamplingParams
 
 LENGTHS = [3, 50, 17, 90, 8, 33, 1, 64]
@@ -21,27 +21,13 @@ def hf_greedy(model, prompt, n):
     return out[0, len(prompt):].tolist()
 
 
-def run_staggered(engine, prompts, params, arrive_every=2):
-    """Add one request every `arrive_every` steps; return outputs by arrival order."""
-    ids, final, step = [], {}, 0
-    while len(final) < len(prompts):
-        if len(ids) < len(prompts) and step % arrive_every == 0:
-            ids.append(engine.add_request(prompts[len(ids)], params[len(ids)]))
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out
-        step += 1
-        assert step < 2000
-    return [final[i] for i in ids]
-
-
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_greedy_staggered_concurrent_equals_hf_generate(arch):
     model = build_tiny_model(arch)
     engine = engine_for(model)
     prompts = random_prompts(LENGTHS)
     params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)] * len(prompts)
-    outs = run_staggered(engine, prompts, params)
+    outs = staggered(engine, prompts, params)
     for p, o in zip(prompts, outs):
         assert o.output_token_ids == hf_greedy(model, p, 24)
         assert o.finish_reason == "length"
@@ -57,7 +43,7 @@ def test_seeded_sampling_same_alone_or_in_batch():
     others = [SamplingParams(temperature=1.0, max_tokens=16, seed=i, ignore_eos=True)
               for i in range(7)]
     params = others[:3] + [seeded] + others[3:]
-    batch = run_staggered(engine_for(model, seed=99), prompts, params, arrive_every=1)
+    batch = staggered(engine_for(model, seed=99), prompts, params, arrive_every=1)
     assert batch[3].output_token_ids == alone
     # and the batch really sampled: different seeds gave different continuations
     assert len({tuple(o.output_token_ids) for o in batch}) > 1

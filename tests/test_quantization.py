@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import build_tiny_model, clone_model, random_prompts
+from conftest import build_tiny_model, clone_model, random_prompts, staggered
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.config import SpeculativeConfig
@@ -223,16 +223,7 @@ def _engine(model, method="none", draft=None, dtype="float32", quant="int4",
 
 
 def _staggered(engine, prompts, params):
-    outs, pending = {}, list(enumerate(prompts))
-    ids = {}
-    while pending or engine.has_unfinished():
-        if pending:
-            i, p = pending.pop(0)
-            ids[engine.add_request(p, params)] = i
-        for out in engine.step():
-            if out.finished:
-                outs[ids[out.request_id]] = out.output_token_ids
-    return [outs[i] for i in range(len(prompts))]
+    return [o.output_token_ids for o in staggered(engine, prompts, params, arrive_every=1)]
 
 
 @pytest.mark.parametrize("draft_quant,kernel", [("int4", "torch"), ("int8", "torch"),

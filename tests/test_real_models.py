@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from conftest import staggered as run_staggered
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.models.loader import load_model
@@ -159,13 +160,7 @@ def test_smollm2_bf16_greedy_is_identical_with_speculation_and_batching(smollm2_
         return [eng.generate([p], params)[0].output_token_ids for p in prompts]
 
     def staggered(eng: LLMEngine) -> list[list[int]]:  # a new request every other step
-        ids, final, step = [], {}, 0
-        while len(final) < len(prompts):
-            if len(ids) < len(prompts) and step % 2 == 0:
-                ids.append(eng.add_request(prompts[len(ids)], params))
-            final.update((o.request_id, o) for o in eng.step() if o.finished)
-            step += 1
-        return [final[i].output_token_ids for i in ids]
+        return [o.output_token_ids for o in run_staggered(eng, prompts, params)]
 
     plain = alone(engine())
     runs = {"plain, 8 at once": staggered(engine()),

@@ -5,7 +5,7 @@ import copy
 import pytest
 
 from conftest import (build_tiny_model, clone_model, distribution_pair, random_prompts,
-                      same_distribution_pvalue, third_tokens)
+                      same_distribution_pvalue, staggered, third_tokens)
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.config import SpeculativeConfig
 from engine.spec_decode.adaptive import CostTable, KController, expected_tokens
@@ -27,19 +27,6 @@ def make_engine(target, method="none", draft=None, k_max=4, adaptive=False, stop
                              draft_quantization=draft_quantization)
     return LLMEngine(EngineConfig(speculative=spec, **cfg), model=clone_model(target),
                      draft_model=clone_model(draft) if draft is not None else None)
-
-
-def staggered(engine, prompts, params):
-    ids, final, step = [], {}, 0
-    while len(final) < len(prompts):
-        if len(ids) < len(prompts) and step % 2 == 0:
-            ids.append(engine.add_request(prompts[len(ids)], params[len(ids)]))
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out
-        step += 1
-        assert step < 3000
-    return [final[i] for i in ids]
 
 
 def repetitive_prompts():

@@ -7,9 +7,10 @@ from conftest import (
     distribution_pair,
     random_prompts,
     same_distribution_pvalue,
+    staggered,
     third_tokens,
 )
-from test_spec_decode import controller, make_engine, staggered
+from test_spec_decode import controller, make_engine
 
 from engine import SamplingParams
 from engine.sequence import Sequence
