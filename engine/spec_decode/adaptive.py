@@ -312,29 +312,46 @@ class KController:
         if rate > best_rate:
             best_rate, best_kf = rate, list(lengths)
         for k in range(1, k_max + 1):
-            dgain = [scale * self.predicted_accepted(a, k) for a in acceptance]
-            better = sorted((i for i in range(n) if dgain[i] > gains[i]),
-                            key=lambda i: gains[i] - dgain[i])
-            tokens, verified, catch_up = float(n + free_gain), base + free_tokens, 0.0
-            for m, i in enumerate(better, start=1):
-                tokens += dgain[i] - gains[i]
-                verified += k - lengths[i]
-                catch_up += charge(i, dgain[i])
-                cost = self.target_cost(verified, seqs) + self._draft_steps_cost(catch_up, m, k)
-                rate = tokens / max(cost, 1e-9)
-                if rate > best_rate:
-                    chosen = set(better[:m])
-                    best_rate = rate
-                    best_kd = [k if i in chosen else 0 for i in range(n)]
-                    best_kf = [0 if i in chosen else lengths[i] for i in range(n)]
-        # a drafting sequence keeps position j only where its gain beats its verification cost
-        threshold = slope_t * best_rate
-        for i, k in enumerate(best_kd):
-            a, j = acceptance[i], 0
-            while j < k and scale * a ** (j + 1) > threshold:
+            best_rate, best_kd, best_kf = self._with_draft_k(
+                k, acceptance, lengths, gains, charge, base, seqs, (best_rate, best_kd, best_kf))
+        return self._trim(best_kd, acceptance, slope_t * best_rate), best_kf
+
+    def _with_draft_k(self, k: int, acceptance: list[float], lengths: list[int],
+                      gains: list[float], charge, base: int, seqs: int,
+                      best: tuple[float, list[int], list[int]]
+                      ) -> tuple[float, list[int], list[int]]:
+        """`best` (rate, draft k, free k), or a better plan where some sequences take the draft
+        model's k instead of their free proposal (`lengths` of predicted `gains`): those it
+        gains most on first."""
+        best_rate, best_kd, best_kf = best
+        n, scale = len(acceptance), self.gain_scale
+        dgain = [scale * self.predicted_accepted(a, k) for a in acceptance]
+        better = sorted((i for i in range(n) if dgain[i] > gains[i]),
+                        key=lambda i: gains[i] - dgain[i])
+        tokens, verified, catch_up = float(n + sum(gains)), base + sum(lengths), 0.0
+        for m, i in enumerate(better, start=1):
+            tokens += dgain[i] - gains[i]
+            verified += k - lengths[i]
+            catch_up += charge(i, dgain[i])
+            cost = self.target_cost(verified, seqs) + self._draft_steps_cost(catch_up, m, k)
+            rate = tokens / max(cost, 1e-9)
+            if rate > best_rate:
+                chosen = set(better[:m])
+                best_rate = rate
+                best_kd = [k if i in chosen else 0 for i in range(n)]
+                best_kf = [0 if i in chosen else lengths[i] for i in range(n)]
+        return best_rate, best_kd, best_kf
+
+    def _trim(self, ks: list[int], acceptance: list[float], threshold: float) -> list[int]:
+        """A drafting sequence keeps position j only where its gain beats its verification
+        cost (`threshold`, at the plan's rate)."""
+        trimmed = []
+        for a, k in zip(acceptance, ks):
+            j = 0
+            while j < k and self.gain_scale * a ** (j + 1) > threshold:
                 j += 1
-            best_kd[i] = j
-        return best_kd, best_kf
+            trimmed.append(j)
+        return trimmed
 
     def margin(self, n: int) -> float:
         """How much a speculative plan for n decoding sequences must beat plain decoding by.

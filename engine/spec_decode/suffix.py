@@ -235,8 +235,24 @@ class SuffixCache:
             return SuffixDraft()
         doc = self._docs[doc_id]
         part = self._partitions[doc.salt]
-        ctx, n = doc.tokens, len(doc.tokens)
-        found: list[tuple[int, int, list[int], int]] = []  # (match, doc id, tokens, next pos)
+        found = self._matches(part, doc.tokens)
+        if not found:
+            return SuffixDraft()
+        best = max(f[0] for f in found)
+        cands = [(toks, pos) for m, _, toks, pos in found if m == best]
+        for _, other, _, _ in found:
+            if other in part.history:
+                part.history.move_to_end(other)  # recently useful: evicted last
+        cap = min(max_tokens, self.max_spec_tokens, max(1, int(self.spec_factor * best)))
+        cls = match_class(best)
+        return self._continuation(cands, cap, part.acceptance[cls].estimate(self.prior(cls)),
+                                  SuffixDraft(match_length=best))
+
+    def _matches(self, part, ctx: list[int]) -> list[tuple[int, int, list[int], int]]:
+        """(match length, doc id, its tokens, the position after the match) of every earlier
+        occurrence of ctx's end at the longest anchor that has one, most recent first."""
+        n = len(ctx)
+        found: list[tuple[int, int, list[int], int]] = []
         for a in reversed(ANCHORS):
             if n < a:
                 continue
@@ -255,17 +271,12 @@ class SuffixCache:
                     found.append((m, other, toks, end))
             if found:
                 break
-        if not found:
-            return SuffixDraft()
-        best = max(f[0] for f in found)
-        cands = [(toks, pos) for m, _, toks, pos in found if m == best]
-        for _, other, _, _ in found:
-            if other in part.history:
-                part.history.move_to_end(other)  # recently useful: evicted last
-        cap = min(max_tokens, self.max_spec_tokens, max(1, int(self.spec_factor * best)))
-        cls = match_class(best)
-        a = part.acceptance[cls].estimate(self.prior(cls))
-        draft = SuffixDraft(match_length=best)
+        return found
+
+    def _continuation(self, cands: list[tuple[list[int], int]], cap: int, acceptance: float,
+                      draft: SuffixDraft) -> SuffixDraft:
+        """`draft` extended, up to `cap` tokens, by the most frequent next token of the
+        candidates (texts and positions) while its frequency stays above min_token_prob."""
         prob, acc = 1.0, 1.0
         while len(draft.token_ids) < cap and cands:
             counts: dict[int, int] = {}
@@ -278,7 +289,7 @@ class SuffixCache:
             prob *= counts[token] / len(cands)
             if prob < self.min_token_prob:
                 break
-            acc *= a
+            acc *= acceptance
             draft.token_ids.append(token)
             draft.confidence.append(prob * acc)
             cands = [(toks, pos + 1) for toks, pos in cands
