@@ -11,7 +11,8 @@ of the device's memory (logged); a pool of no room is an error that
 names the setting to change. On the CPU the pool is simply `kv_cache_memory_gb`.
 
 `plan_kv_bytes` is the arithmetic (tested on any machine); `measure_step_peak` runs real
-forwards on the device before the pool is allocated.
+forwards on the device before the pool is allocated; `plan_blocks` puts the two together for
+the engine. Must not allocate the pool itself: the model runners do.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ import logging
 from dataclasses import dataclass
 
 import torch
+
+from engine.attention.paged import PagedKVCache
+from engine.model_runner import ModelShape, RunItem
 
 log = logging.getLogger("specserve.engine")
 
@@ -77,8 +81,6 @@ def measure_step_peak(runner, num_tokens: int, bucket_seqs: int, bucket_tokens: 
     """(peak of an eager prompt chunk of `num_tokens`, peak of the largest static bucket run
     eagerly), in bytes above what was allocated before, measured on CUDA with token 0 at
     every position of `block_table`'s blocks."""
-    from engine.model_runner import RunItem
-
     peaks = []
     for items in ([RunItem([0] * num_tokens, 0, block_table, 1)],
                   [RunItem([0] * bucket_tokens, 0, block_table, bucket_tokens)] * bucket_seqs):
@@ -89,3 +91,83 @@ def measure_step_peak(runner, num_tokens: int, bucket_seqs: int, bucket_tokens: 
         torch.cuda.synchronize(runner.device)
         peaks.append(torch.cuda.max_memory_allocated(runner.device) - base)
     return peaks[0], peaks[1]
+
+
+def bytes_per_block(models: list[torch.nn.Module], block_size: int) -> int:
+    """KV bytes of one block id: a draft model's KV shares the same block ids."""
+    per_block = 0
+    for model in models:
+        shape = ModelShape.of(model)
+        per_block += PagedKVCache.bytes_per_block(shape.num_layers, block_size,
+                                                  shape.num_kv_heads, shape.head_dim,
+                                                  model.get_input_embeddings().weight.dtype)
+    return per_block
+
+
+def blocks_for_memory(config, models: list[torch.nn.Module]) -> int:
+    """Blocks that fit kv_cache_memory_gb (an EngineConfig's)."""
+    return max(1, int(config.kv_cache_memory_gb * GiB
+                      // bytes_per_block(models, config.block_size)))
+
+
+def static_tokens(config) -> int:
+    """Tokens per sequence of the largest static bucket: 1 + k_max."""
+    spec = config.speculative
+    return 1 + (spec.k_max if spec.enabled else 0)
+
+
+def profile_blocks(config) -> int:
+    """A pool just large enough for the forwards `plan_blocks` measures."""
+    tokens = max(config.max_num_batched_tokens, static_tokens(config))
+    return -(-tokens // config.block_size) + 1
+
+
+def max_model_len(config, model: torch.nn.Module, num_blocks: int) -> int:
+    """The context length: the config's, else the model's, within the pool."""
+    model_len = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    limit = config.max_model_len or model_len or num_blocks * config.block_size
+    # One sequence must always fit in the pool, or preemption could never make room.
+    return min(limit, num_blocks * config.block_size)
+
+
+def plan_blocks(cfg, runner, models: list[torch.nn.Module]) -> int:
+    """CUDA: the pool's blocks once weights, the largest step and the CUDA graphs are
+    accounted (`runner`: the target's, on a profile pool of `profile_blocks`)."""
+    device, tokens = runner.device, static_tokens(cfg)
+    captured = cfg.cuda_graphs == "auto" and runner.attention_backend == "triton"
+    sizes = tuple(cfg.cuda_graph_batch_sizes) if captured else ()
+    chunk_peak, bucket_peak = measure_step_peak(
+        runner, cfg.max_num_batched_tokens, max(sizes, default=cfg.max_num_seqs), tokens,
+        list(range(runner.kv.num_blocks)))
+    graphs = sum(graph_output_bytes(sizes, tokens, ModelShape.of(m).vocab_size,
+                                    m.get_input_embeddings().weight.element_size())
+                 for m in models)
+    graphs += bucket_peak * len(models) if captured else 0  # each runner's graph pool
+    if cfg.attention_kv_split:
+        chunk_extra, graph_extra = _split_partials(cfg, models, sizes, tokens, captured)
+        chunk_peak, graphs = chunk_peak + chunk_extra, graphs + graph_extra
+    free, total = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    profile_kv = runner.kv.num_blocks * bytes_per_block([models[0]], cfg.block_size)
+    in_use = total - free - cached - profile_kv
+    plan = plan_kv_bytes(int(cfg.kv_cache_memory_gb * GiB), total, in_use,
+                         cfg.gpu_memory_utilization, max(chunk_peak, bucket_peak), graphs)
+    log.info("memory plan: %s", plan.describe())
+    return max(1, plan.kv_bytes // bytes_per_block(models, cfg.block_size))
+
+
+def _split_partials(cfg, models: list[torch.nn.Module], sizes: tuple[int, ...], tokens: int,
+                    captured: bool) -> tuple[int, int]:
+    """Split-KV attention's partials at the longest context (the measured steps have no
+    generated rows): (for an eager chunk of generated rows, a preemption's recompute; kept by
+    the graph pools, for each runner's largest bucket)."""
+    pool_tokens = (int(cfg.kv_cache_memory_gb * GiB) // bytes_per_block(models, cfg.block_size)
+                   * cfg.block_size)  # the KV pool bounds max_model_len (<= requested)
+    longest = min(max_model_len(cfg, models[0], 1 << 40), pool_tokens)
+    most = -(-longest // cfg.attention_kv_split)
+    shapes = [(m.config.get_text_config().num_attention_heads, ModelShape.of(m).head_dim)
+              for m in models]
+    chunk = max(split_partial_bytes(cfg.max_num_batched_tokens, h, d, most) for h, d in shapes)
+    graphs = sum(split_partial_bytes(max(sizes) * tokens, h, d, most)
+                 for h, d in shapes) if captured else 0
+    return chunk, graphs

@@ -4,7 +4,9 @@ Must not make scheduling decisions: it receives the scheduled sequences and thei
 and owns only the model and its KV tensors.
 
 Packing (no padding between sequences): `input_ids`, `positions` and `slot_mapping`
-(`block_id * block_size + offset`) over all new tokens of all sequences; per sequence a span
+(`block_id * block_size + offset`) over all new tokens of all sequences (a sequence's new tokens
+are its item's token ids, then its drafts of the forward's `Drafts`: host ids, or ids only the
+device holds, copied into the input ids there); per sequence a span
 (its rows, context length, block table) for attention. Logits are computed only at the rows
 whose next token is wanted (`logits_to_keep`), which also skips the vocabulary projection for
 the rest of a prompt chunk.
@@ -13,14 +15,17 @@ the rest of a prompt chunk.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.attention import paged
 from engine.device_io import to_device
 from engine.models import lean_forward
+from engine.spec_decode.drafts import Drafts
 
 
 @dataclass
@@ -54,25 +59,53 @@ def resolve_attention_backend(name: str, device: torch.device) -> str:
 
 @dataclass
 class RunItem:
-    """One sequence's part of a forward: new tokens at positions start, start + 1, ..."""
+    """One sequence's part of a forward: new tokens at positions start, start + 1, ...: its
+    `token_ids`, then its drafts of the forward's `Drafts` (engine/spec_decode/drafts.py)."""
 
     token_ids: list[int]
     start: int
-    block_table: list[int]  # covers every position up to start + len(token_ids)
+    block_table: list[int]  # covers every position up to start + its new tokens
     num_rows: int  # logits wanted at the last num_rows new tokens
     # positions from here on hold generated tokens (the sequence's prompt length): their rows
     # may run on the CPU row kernel (engine/attention/paged.py); None: every row is a prompt's
     prompt_len: int | None = None
 
 
-@dataclass
-class DeviceTokens:
-    """Token ids of a forward that only the device holds (drafts sampled there): `values[j]`
-    is the id of the forward's new token number `index[j]`, counting in item order. The items'
-    own token ids hold placeholders at those positions."""
+def num_new_tokens(items: list[RunItem], drafts: Drafts | None) -> list[int]:
+    """Per item, its new tokens in the forward: its token ids and then its drafts."""
+    if drafts is None:
+        return [len(it.token_ids) for it in items]
+    return [len(it.token_ids) + k for it, k in zip(items, drafts.num_draft_tokens)]
 
-    index: Sequence[int]
-    values: torch.Tensor  # [len(index)] long, on the runner's device
+
+def input_ids(items: list[RunItem], drafts: Drafts | None, device: torch.device,
+              row_of: Callable[[int, int], int] | None = None, rows: int | None = None
+              ) -> torch.Tensor:
+    """[1, rows] the forward's token ids on `device`: each item's token ids, then its drafts.
+    row_of(i, j): the row of item i's new token j (default: packed in item order); rows: the
+    forward's rows (default: the new tokens)."""
+    lengths = num_new_tokens(items, drafts)
+    starts = [0, *itertools.accumulate(lengths)][:-1]
+    row_of = row_of or (lambda i, j: starts[i] + j)
+    ids = np.zeros(rows if rows is not None else sum(lengths), dtype=np.int64)
+    at_device: list[int] = []  # rows whose ids only the device holds, in draft order
+    for i, it in enumerate(items):
+        at = row_of(i, 0)
+        ids[at:at + len(it.token_ids)] = it.token_ids
+        k = drafts.num_draft_tokens[i] if drafts is not None else 0
+        if not k:
+            continue
+        first = at + len(it.token_ids)
+        if drafts.held_by_device:
+            at_device += range(first, first + k)
+        else:
+            ids[first:first + k] = drafts.of(i)
+    if at_device and len(at_device) == len(ids):  # every id is a draft on the device
+        return drafts.ids(device)[None]
+    out = to_device(ids[None], torch.long, device)
+    if at_device:
+        out[0].index_copy_(0, to_device(at_device, torch.long, device), drafts.ids(device))
+    return out
 
 
 @dataclass
@@ -114,20 +147,11 @@ class ModelRunner:
             from engine.kernels.linear import autotune_linears
 
             autotune_linears(model)
-        if backend is None and self.attention_backend == "triton":
-            from engine.attention.triton_backend import TritonBackend
-
-            backend = TritonBackend(attention_kv_split)
         self.dtype = model.get_input_embeddings().weight.dtype  # also for quantized linears
         self.shape = ModelShape.of(model)
-        if backend is None:
-            backend = paged.SDPABackend(
-                self.invariance.attention if self.invariance else None,
-                row_kernel=(self.device.type == "cpu" and self.dtype in (torch.float32,
-                                                                         torch.bfloat16)
-                            and self.shape.head_dim % 16 == 0 and self.shape.head_dim <= 256))
         self.block_size = block_size
-        self.kv = self._kv(num_blocks, backend)
+        self.kv = self._kv(num_blocks, backend if backend is not None
+                           else self._backend(attention_kv_split))
         params = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         # A prepared 4-D mask makes transformers skip building its own; ours reads block tables.
@@ -136,6 +160,18 @@ class ModelRunner:
         self._attention_checked = False
         # the model's forward without transformers' module wrappers (same bits), where known
         self.lean = lean_forward.supported(model)
+
+    def _backend(self, attention_kv_split: int) -> paged.AttentionBackend:
+        """The attention backend `attention_backend` names: Triton, or SDPA with batch
+        invariance's layout and, on the CPU, the row kernel for generated tokens' rows."""
+        if self.attention_backend == "triton":
+            from engine.attention.triton_backend import TritonBackend
+
+            return TritonBackend(attention_kv_split)
+        row_kernel = (self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16)
+                      and self.shape.head_dim % 16 == 0 and self.shape.head_dim <= 256)
+        return paged.SDPABackend(self.invariance.attention if self.invariance else None,
+                                 row_kernel=row_kernel)
 
     def _kv(self, num_blocks: int, backend: paged.AttentionBackend) -> paged.PagedKVCache:
         return paged.PagedKVCache(self.shape.num_layers, num_blocks, self.block_size,
@@ -188,34 +224,24 @@ class ModelRunner:
         return logits
 
     @torch.inference_mode()
-    def execute(self, items: list[RunItem], device_tokens: DeviceTokens | None = None
-                ) -> StepLogits:
-        """device_tokens: the token ids that are on the device only (tokens a previous forward
-        sampled); the items' own token ids hold placeholders there."""
-        if self.static is not None and self.static.fits(items):
-            logits, row_offsets = self.static.execute(items, device_tokens)
+    def execute(self, items: list[RunItem], drafts: Drafts | None = None) -> StepLogits:
+        """drafts: the draft tokens that follow each item's token ids (None: none)."""
+        if self.static is not None and self.static.fits(items, drafts):
+            logits, row_offsets = self.static.execute(items, drafts)
             return StepLogits(logits, row_offsets)
-        input_ids, positions, slot_mapping, keep, row_offsets = [], [], [], [], [0]
+        positions, slot_mapping, keep, row_offsets = [], [], [], [0]
         spans = []
-        bs = self.block_size
-        for item in items:
-            start, end, table = item.start, item.start + len(item.token_ids), item.block_table
-            q_start = len(input_ids)
-            input_ids += item.token_ids
+        bs, q_start = self.block_size, 0
+        for item, n in zip(items, num_new_tokens(items, drafts)):
+            start, end, table = item.start, item.start + n, item.block_table
             positions += range(start, end)
             slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, end)]
-            spans.append(paged.SeqSpan(q_start, end - start, end, table, item.prompt_len))
-            keep += range(q_start + end - start - item.num_rows, q_start + end - start)
+            spans.append(paged.SeqSpan(q_start, n, end, table, item.prompt_len))
+            keep += range(q_start + n - item.num_rows, q_start + n)
             row_offsets.append(row_offsets[-1] + item.num_rows)
+            q_start += n
         dev, long = self.device, torch.long
-        if device_tokens is not None and device_tokens.index == range(len(input_ids)):
-            ids = device_tokens.values[None]  # every id is on the device, in order
-        else:
-            ids = to_device([input_ids], long, dev)
-            if device_tokens is not None:
-                ids[0].index_copy_(0, to_device(device_tokens.index, long, dev),
-                                   device_tokens.values)
-        logits = self.forward(ids, to_device([positions], long, dev),
+        logits = self.forward(input_ids(items, drafts, dev), to_device([positions], long, dev),
                               to_device(keep, long, dev),
                               self.kv.backend.build_metadata(spans, slot_mapping, bs, dev))
         return StepLogits(logits[0].float(), row_offsets)

@@ -1,6 +1,6 @@
 """Continuous-batching scheduler. Must not import torch: it moves sequences and counts tokens.
 
-Each step every running sequence catches up towards `token_ids + draft_token_ids` within one
+Each step every running sequence catches up towards its committed and draft tokens within one
 token budget: a prompt chunk, one decode token, or 1 + k tokens to verify are the same thing
 with different counts. When the block pool runs dry, the newest running sequence is preempted
 (its blocks freed, recomputed later); a request is never dropped for lack of cache.
@@ -46,7 +46,13 @@ class ScheduledSeq:
 
     @property
     def token_ids(self) -> list[int]:
-        return self.seq.tokens_between(self.start, self.end)
+        """The committed tokens it computes (its drafts, `num_drafts`, follow them)."""
+        return self.seq.token_ids[self.start:self.end]
+
+    @property
+    def num_drafts(self) -> int:
+        """Draft tokens it computes (and verifies): those that fit the step's budget."""
+        return max(self.end - self.seq.num_tokens, 0)
 
 
 @dataclass
@@ -148,7 +154,7 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.num_draft_computed = 0
-        seq.draft_token_ids = []
+        seq.num_draft_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.stats.num_preemptions += 1
@@ -171,7 +177,7 @@ class Scheduler:
         for i, (sched, tokens) in enumerate(zip(out.scheduled, new_token_ids)):
             seq = sched.seq
             end, num_committed = sched.end, seq.num_tokens
-            seq.draft_token_ids = []
+            seq.num_draft_tokens = 0
             if not tokens:
                 seq.num_computed_tokens = end
                 self.block_manager.cache_full_blocks(seq)
@@ -216,4 +222,4 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
-        seq.draft_token_ids = []
+        seq.num_draft_tokens = 0

@@ -2,9 +2,10 @@
 
 Token accounting (the scheduler counts tokens, not phases):
 - `token_ids` are the committed tokens: the prompt followed by the generated output.
-- `draft_token_ids` are proposed, not yet verified tokens that follow `token_ids`.
-- `num_computed_tokens` counts the leading tokens of `token_ids + draft_token_ids` whose KV is
-  in the cache. Each step the sequence catches up towards all of them; prefill, chunked
+- `num_draft_tokens` counts the proposed, not yet verified tokens that follow `token_ids` (the
+  speculator holds their ids: a draft model may leave them on the device).
+- `num_computed_tokens` counts the leading tokens of the committed tokens and then the drafts
+  whose KV is in the cache. Each step the sequence catches up towards all of them; prefill, chunked
   prefill, decode and verification are the same thing with different counts.
 """
 
@@ -31,7 +32,7 @@ class Sequence:
         self.cache_salt = cache_salt
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
-        self.draft_token_ids: list[int] = []
+        self.num_draft_tokens = 0
         self.num_computed_tokens = 0
         self.num_draft_computed = 0  # leading tokens whose draft-model KV is valid
         # speculation stats of this request
@@ -52,6 +53,7 @@ class Sequence:
         # structured output: the grammar's state after the committed output (an llguidance
         # LLMatcher), None when the request has no grammar
         self.matcher = None
+        self.grammars = None  # the engine's structured-output side that made `matcher`
         # Per generated token: (chosen logprob, [(token id, logprob) ...]) when requested.
         self.output_logprobs: list[tuple[float, list[tuple[int, float]]]] = []
 
@@ -78,15 +80,7 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         """Tokens (committed and draft) whose KV is not yet in the cache."""
-        return self.num_tokens + len(self.draft_token_ids) - self.num_computed_tokens
-
-    def tokens_between(self, start: int, end: int) -> list[int]:
-        """Tokens at positions [start, end) of committed tokens followed by drafts."""
-        tokens = self.token_ids[start:end]
-        if end > self.num_tokens:
-            n = self.num_tokens
-            tokens += self.draft_token_ids[max(start - n, 0):end - n]
-        return tokens
+        return self.num_tokens + self.num_draft_tokens - self.num_computed_tokens
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id!r}, tokens={self.num_tokens}, "

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from engine.device_io import copy_in, to_device
+from engine.model_runner import input_ids, num_new_tokens
 
 log = logging.getLogger("specserve.engine")
 
@@ -73,11 +74,12 @@ class StaticSteps:
     def max_seqs(self) -> int:
         return self.batch_sizes[-1]
 
-    def fits(self, items) -> bool:
+    def fits(self, items, drafts=None) -> bool:
+        lengths = num_new_tokens(items, drafts)
         return (0 < len(items) <= self.max_seqs
-                and all(0 < len(it.token_ids) <= self.tokens_per_seq for it in items)
-                and all(-(-(it.start + len(it.token_ids)) // self.runner.block_size)
-                        <= self.width for it in items))
+                and all(0 < n <= self.tokens_per_seq for n in lengths)
+                and all(-(-(it.start + n) // self.runner.block_size) <= self.width
+                        for it, n in zip(items, lengths)))
 
     def _bucket(self, seqs: int, tokens: int) -> Bucket:
         size = next(b for b in self.batch_sizes if b >= seqs)
@@ -145,13 +147,12 @@ class StaticSteps:
             for tokens in range(self.tokens_per_seq, 0, -1):
                 self._bucket(size, tokens)
 
-    def execute(self, items, device_tokens=None) -> tuple[torch.Tensor, list[int]]:
-        """Run `items` in their bucket; returns (logits [rows wanted, V], row offsets).
-        device_tokens: the ids only the device holds (model_runner.DeviceTokens)."""
-        q = max(len(it.token_ids) for it in items)
-        b = self._bucket(len(items), q)
+    def execute(self, items, drafts=None) -> tuple[torch.Tensor, list[int]]:
+        """Run `items` (and the `Drafts` after their token ids) in their bucket; returns
+        (logits [rows wanted, V], row offsets)."""
+        lengths = num_new_tokens(items, drafts)
+        b = self._bucket(len(items), max(lengths))
         bs, rows = self.runner.block_size, b.seqs * b.tokens
-        ids = np.zeros(rows, dtype=np.int64)
         pos = np.zeros(rows, dtype=np.int64)
         slots = np.full(rows, self.scratch_slot, dtype=np.int64)
         q_len = np.zeros(b.seqs, dtype=np.int32)
@@ -159,12 +160,11 @@ class StaticSteps:
         tables = np.zeros((b.seqs, self.width), dtype=np.int32)
         part_of_row = np.full(rows, -1, dtype=np.int32)
         part_splits = np.zeros(rows, dtype=np.int32)
-        wanted, offsets, real = [], [0], []
-        for i, it in enumerate(items):
-            n, lo = len(it.token_ids), i * b.tokens
+        wanted, offsets = [], [0]
+        for i, (it, n) in enumerate(zip(items, lengths)):
+            lo = i * b.tokens
             p = np.arange(it.start, it.start + n)
             table = np.asarray(it.block_table[:-(-(it.start + n) // bs)], dtype=np.int64)
-            ids[lo:lo + n] = it.token_ids
             pos[lo:lo + n] = p
             slots[lo:lo + n] = table[p // bs] * bs + p % bs
             q_len[i], ctx[i] = n, it.start + n
@@ -174,19 +174,16 @@ class StaticSteps:
                 part_of_row[split] = split
                 part_splits[split] = p[split - lo] // self.kv_split + 1
             wanted += range(lo + n - it.num_rows, lo + n)
-            real += range(lo, lo + n)
             offsets.append(offsets[-1] + it.num_rows)
         m = b.meta
-        for dst, src in ((b.input_ids[0], ids), (b.positions[0], pos), (m.slot_mapping, slots),
+        b.input_ids.copy_(input_ids(items, drafts, self.runner.device,
+                                    lambda i, j: i * b.tokens + j, rows))
+        for dst, src in ((b.positions[0], pos), (m.slot_mapping, slots),
                          (m.q_len, q_len), (m.ctx_len, ctx), (m.block_tables, tables)):
             copy_in(dst, src)
         if m.splits is not None:
             copy_in(m.splits.part_of_row, part_of_row)
             copy_in(m.splits.part_splits, part_splits)
-        if device_tokens is not None:
-            rows_at = [real[j] for j in device_tokens.index]
-            b.input_ids[0].index_copy_(0, to_device(rows_at, torch.long, self.runner.device),
-                                       device_tokens.values)
         if b.graph is not None:
             b.graph.replay()
             self.num_replays += 1

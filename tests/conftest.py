@@ -75,6 +75,31 @@ def tiny_model():
     return build_tiny_model("qwen2")
 
 
+def make_engine(target, method="none", draft=None, k_max=4, adaptive=False, stop_confidence=0.0,
+                verification="coupled", **kw):
+    """An engine on a copy of `target` (and of `draft`) speculating with `method`.
+
+    stop_confidence 0 by default: random tiny drafts are unsure, and the tests want full
+    k-token drafts; the confidence stop has tests of its own. `kw`: SpeculativeConfig fields
+    (draft_vocab_size, ngram_max_n, ...) and EngineConfig fields (num_blocks, seed, ...);
+    `speculative=` replaces the whole speculative config."""
+    from dataclasses import fields
+
+    from engine import EngineConfig, LLMEngine
+    from engine.config import SpeculativeConfig
+
+    spec_fields = {f.name for f in fields(SpeculativeConfig)}
+    spec_kw = {name: kw.pop(name) for name in list(kw) if name in spec_fields}
+    cfg = dict(num_blocks=256, max_num_batched_tokens=128, max_num_seqs=16)
+    cfg.update(kw)
+    cfg.setdefault("speculative", SpeculativeConfig(
+        method=method, draft_model="in-memory" if draft is not None else None, k_max=k_max,
+        adaptive=adaptive, calibrate=adaptive, draft_stop_confidence=stop_confidence,
+        verification=verification, **spec_kw))
+    return LLMEngine(EngineConfig(**cfg), model=clone_model(target),
+                     draft_model=clone_model(draft) if draft is not None else None)
+
+
 def staggered(engine, prompts, params, arrive_every=2, max_steps=3000):
     """Run `prompts` adding one request every `arrive_every` steps (`params`: one
     SamplingParams or one per prompt); the finished outputs in arrival order."""

@@ -7,6 +7,15 @@ def seq(tokens, rid="r"):
     return Sequence(rid, list(tokens), SamplingParams())
 
 
+def cached(bm, tokens, rid="r", salt=None):
+    """A sequence of `tokens`, allocated and computed, its full blocks in the prefix cache."""
+    s = Sequence(rid, list(tokens), SamplingParams(), cache_salt=salt)
+    assert bm.allocate(s, len(s.token_ids))
+    s.num_computed_tokens = len(s.token_ids)
+    bm.cache_full_blocks(s)
+    return s
+
+
 def test_allocate_grows_table_and_free_returns_blocks():
     bm = BlockManager(num_blocks=8, block_size=4)
     s = seq(range(10))
@@ -32,10 +41,7 @@ def test_allocate_is_all_or_nothing():
 
 def test_prefix_cache_hit_shares_blocks_and_counts():
     bm = BlockManager(num_blocks=16, block_size=4)
-    a = seq(list(range(10)), "a")
-    assert bm.allocate(a, 10)
-    a.num_computed_tokens = 10
-    bm.cache_full_blocks(a)  # 2 full blocks cached
+    a = cached(bm, list(range(10)), "a")  # 2 full blocks cached
     b = seq(list(range(8)) + [99, 98, 97], "b")
     hit = bm.match_prefix(b)
     assert hit == a.block_table[:2]
@@ -48,10 +54,7 @@ def test_prefix_cache_hit_shares_blocks_and_counts():
 
 def test_prefix_cache_miss_on_different_prefix_and_partial_block():
     bm = BlockManager(num_blocks=16, block_size=4)
-    a = seq(list(range(10)), "a")
-    bm.allocate(a, 10)
-    a.num_computed_tokens = 10
-    bm.cache_full_blocks(a)
+    a = cached(bm, list(range(10)), "a")
     assert bm.match_prefix(seq([5] + list(range(1, 10)), "b")) == []  # first block differs
     assert bm.match_prefix(seq(list(range(4)) + [0, 0, 0, 0, 1], "c")) == a.block_table[:1]
     # the third block of `a` was partial: never cached
@@ -60,10 +63,7 @@ def test_prefix_cache_miss_on_different_prefix_and_partial_block():
 
 def test_prefix_cache_leaves_one_token_to_compute():
     bm = BlockManager(num_blocks=16, block_size=4)
-    a = seq(list(range(8)), "a")
-    bm.allocate(a, 8)
-    a.num_computed_tokens = 8
-    bm.cache_full_blocks(a)
+    a = cached(bm, list(range(8)), "a")
     same = seq(list(range(8)), "b")
     assert bm.match_prefix(same) == a.block_table[:1]  # the last block is recomputed
 
@@ -72,7 +72,7 @@ def test_uncomputed_or_draft_tokens_are_never_cached():
     bm = BlockManager(num_blocks=16, block_size=4)
     a = seq(list(range(8)), "a")
     bm.allocate(a, 12)
-    a.draft_token_ids = [1, 2, 3, 4]
+    a.num_draft_tokens = 4
     a.num_computed_tokens = 6  # second block not computed yet
     bm.cache_full_blocks(a)
     assert len(bm.hash_to_block) == 1
@@ -83,10 +83,7 @@ def test_uncomputed_or_draft_tokens_are_never_cached():
 
 def test_freed_cached_blocks_are_reused_then_evicted_lru():
     bm = BlockManager(num_blocks=4, block_size=4)
-    a = seq(list(range(9)), "a")
-    bm.allocate(a, 9)
-    a.num_computed_tokens = 9
-    bm.cache_full_blocks(a)
+    a = cached(bm, list(range(9)), "a")
     bm.free(a)
     assert bm.num_free_blocks == 4 and len(bm.hash_to_block) == 2
     # still a hit after free
@@ -104,10 +101,7 @@ def test_freed_cached_blocks_are_reused_then_evicted_lru():
 
 def test_shared_block_survives_until_last_reference_freed():
     bm = BlockManager(num_blocks=8, block_size=4)
-    a = seq(list(range(5)), "a")
-    bm.allocate(a, 5)
-    a.num_computed_tokens = 5
-    bm.cache_full_blocks(a)
+    a = cached(bm, list(range(5)), "a")
     b = seq(list(range(4)) + [9], "b")
     hit = bm.match_prefix(b)
     bm.allocate(b, 5, hit)
@@ -118,23 +112,15 @@ def test_shared_block_survives_until_last_reference_freed():
     assert bm.blocks[shared].ref_count == 0 and shared in bm.free_queue
 
 
-def _cached(tokens, rid, salt, bm):
-    s = Sequence(rid, list(tokens), SamplingParams(), cache_salt=salt)
-    assert bm.allocate(s, len(tokens))
-    s.num_computed_tokens = len(tokens)
-    bm.cache_full_blocks(s)
-    return s
-
-
 def test_cache_salt_partitions_the_prefix_cache():
     bm = BlockManager(num_blocks=16, block_size=4)
-    a = _cached(range(10), "a", "tenant-a", bm)
+    a = cached(bm, range(10), "a", "tenant-a")
     same = Sequence("b", list(range(10)), SamplingParams(), cache_salt="tenant-a")
     assert bm.match_prefix(same) == a.block_table[:2]
     for other in ("tenant-b", None):  # another tenant, or no salt: never a hit
         assert bm.match_prefix(Sequence("c", list(range(10)), SamplingParams(),
                                         cache_salt=other)) == []
-    unsalted = _cached(range(10), "d", None, bm)  # cached apart, under its own keys
+    unsalted = cached(bm, range(10), "d", None)  # cached apart, under its own keys
     assert bm.match_prefix(seq(range(10), "e")) == unsalted.block_table[:2]
     assert set(unsalted.block_table[:2]).isdisjoint(a.block_table[:2])
 
@@ -145,7 +131,7 @@ def test_cache_salt_is_checked_even_when_hashes_collide(monkeypatch):
     # every block hashes alike: only the stored tokens and salt can tell them apart
     monkeypatch.setattr(block_manager, "chain_hash", lambda parent, tokens: hash(tokens))
     bm = BlockManager(num_blocks=16, block_size=4)
-    a = _cached(range(10), "a", "tenant-a", bm)
+    a = cached(bm, range(10), "a", "tenant-a")
     assert bm.match_prefix(Sequence("b", list(range(10)), SamplingParams(),
                                     cache_salt="tenant-b")) == []
     assert bm.match_prefix(Sequence("c", list(range(10)), SamplingParams(),

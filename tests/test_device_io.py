@@ -11,8 +11,7 @@ the same steps under torch's sync debug mode.
 
 import pytest
 import torch
-from conftest import build_tiny_model, clone_model, random_prompts
-from test_spec_decode import make_engine
+from conftest import build_tiny_model, clone_model, make_engine, random_prompts
 
 from engine import EngineConfig, LLMEngine, SamplingParams, device_io
 from engine.config import SpeculativeConfig
@@ -82,7 +81,7 @@ def run_counting(engine, prompts, params, monkeypatch, proposals=None, whole=Fal
             apart[0] += device_io.stats.fetches - before
             if proposals is not None:
                 proposals.append((device_io.stats.fetches - before, list(stray.reads),
-                                  sum(len(s.draft_token_ids) for s in running)))
+                                  sum(s.num_draft_tokens for s in running)))
             stray.active = proposals is None
 
     if propose is not None:

@@ -3,16 +3,14 @@
 import pytest
 import torch
 
-from conftest import build_tiny_model, clone_model, random_prompts, staggered
+from conftest import build_tiny_model, clone_model, make_engine, random_prompts, staggered
 from engine import EngineConfig, LLMEngine, SamplingParams
 
 LENGTHS = [3, 50, 17, 90, 8, 33, 1, 64]
 
 
 def engine_for(model, **kw):
-    cfg = dict(num_blocks=128, max_num_batched_tokens=64, max_num_seqs=16)
-    cfg.update(kw)
-    return LLMEngine(EngineConfig(**cfg), model=clone_model(model))
+    return make_engine(model, **{"num_blocks": 128, "max_num_batched_tokens": 64, **kw})
 
 
 def hf_greedy(model, prompt, n):

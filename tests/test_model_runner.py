@@ -9,23 +9,16 @@ from engine.model_runner import ModelRunner, RunItem
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
+from engine.spec_decode.drafts import Drafts
 
 
 def _execute_every_row(runner, scheduled):
     """Run one step asking for logits at every new position (as verifying drafts does):
     the first new token is committed, the rest are presented as draft tokens."""
-    full = {}
-    for s in scheduled:
-        seq = s.seq
-        full[seq.request_id] = seq.token_ids
-        seq.token_ids = full[seq.request_id][:s.start + 1]
-        seq.draft_token_ids = full[seq.request_id][s.start + 1:s.end]
-    try:
-        result = runner.execute([RunItem(s.token_ids, s.start, s.seq.block_table,
-                                         s.num_sample_rows) for s in scheduled])
-    finally:
-        for s in scheduled:
-            s.seq.token_ids, s.seq.draft_token_ids = full[s.seq.request_id], []
+    ids = [s.seq.token_ids for s in scheduled]
+    result = runner.execute([RunItem(t[s.start:s.start + 1], s.start, s.seq.block_table,
+                                     s.num_new_tokens) for s, t in zip(scheduled, ids)],
+                            Drafts([t[s.start + 1:s.end] for s, t in zip(scheduled, ids)]))
     offs = result.row_offsets
     return [result.logits[offs[i]:offs[i + 1]] for i in range(len(scheduled))]
 

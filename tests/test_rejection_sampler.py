@@ -79,10 +79,29 @@ def test_seeded_sequences_are_deterministic_regardless_of_batch():
         keys = [[noise_key(other_seed + i, t) for t in range(4)] for i in range(5)]
         keys.insert(2, [noise_key(seed, t) for t in range(4)])  # positions 0..3
         default = torch.Generator().manual_seed(other_seed)
-        return rejection_sample(drafts, [3] * 6, q, p, [False] * 6, keys, default)[2].tolist()
+        return rejection_sample(drafts, [3] * 6, list(q.split(3)), p, [False] * 6, keys,
+                                default)[2].tolist()
 
     assert run(7, 1) == run(7, 2) == run(7, 3)
     assert len({tuple(run(s, 1)) for s in range(20)}) > 1
+
+
+def test_sequences_with_and_without_q_verify_as_they_would_alone():
+    """q is given per sequence (None: one-hot on its drafts, as n-gram drafts are): a seeded
+    sequence's tokens are the same in a batch that mixes both kinds as alone."""
+    drafts, p, q = _random_case(1, batch=3)
+    keys = [[noise_key(s, t) for t in range(4)] for s in (3, 4, 5)]
+    qs = [q[0:3], None, q[6:9]]
+
+    def run(seqs):
+        flat = torch.cat([drafts[3 * i:3 * i + 3] for i in seqs])
+        target = torch.cat([p[4 * i:4 * i + 4] for i in seqs])
+        return to_lists(rejection_sample(flat, [3] * len(seqs), [qs[i] for i in seqs], target,
+                                         [False] * len(seqs), [keys[i] for i in seqs]))
+
+    together = run([0, 1, 2])
+    assert together == run([0]) + run([1]) + run([2])
+    assert together[:1] + together[2:] == run([0, 2]) and together[1:2] == run([1])
 
 
 def test_emitted_tokens_stay_inside_top_k_top_p_set():
@@ -98,7 +117,8 @@ def test_emitted_tokens_stay_inside_top_k_top_p_set():
     p, q = torch.softmax(proc_t, -1), torch.softmax(proc_d, -1)
     drafts = torch.multinomial(q, 1, generator=g)[:, 0]
     for trial in range(5):
-        out = rejection_sample(drafts, [k] * batch, q, p, [False] * batch, [None] * batch,
+        out = rejection_sample(drafts, [k] * batch, list(q.split(k)), p, [False] * batch,
+                               [None] * batch,
                                torch.Generator().manual_seed(trial))
         for i, row in enumerate(to_lists(out)):
             for j, tok in enumerate(row):
@@ -114,7 +134,7 @@ def _first_token_frequencies(p_rows, q_rows, drafts, n, seed, one_hot):
     """Emitted first token of n sequences that all share one position's p and q."""
     k = 1
     target = torch.cat([p_rows[0:1], p_rows[1:2]]).repeat(n, 1)  # [n * 2, V]
-    dprobs = None if one_hot else q_rows[0:1].repeat(n, 1)
+    dprobs = None if one_hot else [q_rows[0:1]] * n
     out = rejection_sample(drafts, [k] * n, dprobs, target, [False] * n, [None] * n,
                            torch.Generator().manual_seed(seed))
     return torch.bincount(out[:, 0], minlength=p_rows.shape[1]).numpy()
@@ -150,7 +170,7 @@ def test_bonus_token_distribution_when_all_accepted():
     p = torch.softmax(torch.randn(2, vocab, generator=g), -1)
     drafts = torch.multinomial(p[0], n, replacement=True, generator=g)
     target = p.repeat(n, 1)
-    out = rejection_sample(drafts, [1] * n, p[0:1].repeat(n, 1), target, [False] * n,
+    out = rejection_sample(drafts, [1] * n, [p[0:1]] * n, target, [False] * n,
                            [None] * n, torch.Generator().manual_seed(0))
     assert bool((out[:, 0] == drafts).all())
     counts = torch.bincount(out[:, 1], minlength=vocab).numpy()

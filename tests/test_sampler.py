@@ -87,22 +87,26 @@ def test_settings_are_built_once_per_batch_composition():
     a = SamplingParams(temperature=0.7, top_k=2, logit_bias={1: 3.0})
     b = SamplingParams(temperature=0)
     logits = LOGITS.repeat(3, 1)
-    first = sampler.build_sampling_tensors(rows(a, a, b), 6, logits.device)
-    again = sampler.build_sampling_tensors(rows(a, a, b, output=[1]), 6, logits.device)
+    cache = sampler.SettingsCache()
+    first = sampler.build_sampling_tensors(rows(a, a, b), 6, logits.device, cache=cache)
+    again = sampler.build_sampling_tensors(rows(a, a, b, output=[1]), 6, logits.device,
+                                           cache=cache)
     assert again.temperature is first.temperature and again.top_k is first.top_k
     assert again.logit_bias is first.logit_bias
     twin = SamplingParams(temperature=0.7, top_k=2, logit_bias={1: 3.0})
-    other = sampler.build_sampling_tensors(rows(twin, a, b), 6, logits.device)
-    shorter = sampler.build_sampling_tensors(rows(a, b), 6, logits.device)
+    other = sampler.build_sampling_tensors(rows(twin, a, b), 6, logits.device, cache=cache)
+    shorter = sampler.build_sampling_tensors(rows(a, b), 6, logits.device, cache=cache)
     assert other.temperature is not first.temperature
     assert shorter.temperature.shape == (2,) and shorter.greedy_rows == [False, True]
     assert torch.equal(sampler.process_logits(logits, other),
                        sampler.process_logits(logits, first))
-    for _ in range(sampler.SETTINGS_CACHE_SIZE + 1):  # bounded: old compositions go
-        sampler.build_sampling_tensors(rows(SamplingParams()), 6, logits.device)
-    assert len(sampler._settings_cache) <= sampler.SETTINGS_CACHE_SIZE
+    for _ in range(cache.size + 1):  # bounded: old compositions go
+        sampler.build_sampling_tensors(rows(SamplingParams()), 6, logits.device, cache=cache)
+    assert len(cache.entries) <= cache.size
+    assert sampler.build_sampling_tensors(rows(a, a, b), 6, logits.device,
+                                          cache=cache).temperature is not first.temperature
     assert sampler.build_sampling_tensors(rows(a, a, b), 6, logits.device).temperature \
-        is not first.temperature
+        is not sampler.build_sampling_tensors(rows(a, a, b), 6, logits.device).temperature
 
 
 def test_seeded_rows_reproducible_regardless_of_batch():

@@ -28,6 +28,15 @@ def fake_step(sched, token=7):
     return out
 
 
+def verify_step(sched, seq, emitted):
+    """A step that verifies len(emitted) - 1 drafts of `seq` (its only running sequence) and
+    emits `emitted`, as a verifier that accepted them all would."""
+    seq.num_draft_tokens = len(emitted) - 1
+    out = sched.schedule()
+    sched.update(out, [emitted])
+    return out
+
+
 def test_prefill_then_decode_one_token_each():
     sched = make()
     a = add(sched, "a", 5)
@@ -70,30 +79,27 @@ def test_multiple_new_tokens_per_running_sequence():
     sched = make()
     a = add(sched, "a", 5, max_tokens=20)
     fake_step(sched)
-    a.draft_token_ids = [20, 21, 22]
+    a.num_draft_tokens = 3
     out = sched.schedule()
     assert out.scheduled[0].num_new_tokens == 4
+    assert out.scheduled[0].num_drafts == 3
     assert out.scheduled[0].num_sample_rows == 4
     # the verifier accepted 2 drafts and sampled one more token
     sched.update(out, [[20, 21, 30]])
     assert a.output_token_ids == [7, 20, 21, 30]
     assert a.num_computed_tokens == a.num_tokens - 1  # the rejected slot is rolled back
-    assert a.draft_token_ids == []
+    assert a.num_draft_tokens == 0
 
 
 def test_stop_inside_accepted_run_never_emits_past_it():
     sched = make()
     a = add(sched, "a", 5, max_tokens=3)
     fake_step(sched)
-    a.draft_token_ids = [20, 21, 22]
-    out = sched.schedule()
-    sched.update(out, [[20, 21, 22, 23]])
+    verify_step(sched, a, [20, 21, 22, 23])
     assert a.output_token_ids == [7, 20, 21] and a.finish_reason == "length"
     b = add(sched, "b", 5, max_tokens=10, first=40)
     fake_step(sched)
-    b.draft_token_ids = [20, EOS, 22]
-    out = sched.schedule()
-    sched.update(out, [[20, EOS, 22, 23]])
+    verify_step(sched, b, [20, EOS, 22, 23])
     assert b.output_token_ids == [7, 20, EOS] and b.finish_reason == "stop"
     assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
 

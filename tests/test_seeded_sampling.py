@@ -9,8 +9,8 @@ import torch
 
 from conftest import (build_tiny_model, clone_model, distribution_pair, random_prompts,
                       same_distribution_pvalue, third_tokens)
-from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.config import SpeculativeConfig
+from conftest import make_engine as shared_engine
+from engine import SamplingParams
 from engine.sample import keys, sampler
 
 SETTINGS = {
@@ -35,13 +35,9 @@ def pair():
 
 def make_engine(target, method="none", draft=None, k_max=4, verification="coupled",
                 max_num_seqs=8, **kw):
-    spec = SpeculativeConfig(method=method, draft_model="in-memory" if draft else None,
-                             k_max=k_max, adaptive=False, calibrate=False,
-                             verification=verification, ngram_min_n=1, ngram_max_n=3)
-    cfg = EngineConfig(num_blocks=512, max_num_batched_tokens=256, max_num_seqs=max_num_seqs,
-                       speculative=spec, **kw)
-    return LLMEngine(cfg, model=clone_model(target),
-                     draft_model=clone_model(draft) if draft is not None else None)
+    return shared_engine(target, method, draft, k_max, verification=verification,
+                         ngram_max_n=3, num_blocks=512, max_num_batched_tokens=256,
+                         max_num_seqs=max_num_seqs, **kw)
 
 
 def seeded_requests(seeds=SEEDS):

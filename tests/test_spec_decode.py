@@ -4,29 +4,14 @@ import copy
 
 import pytest
 
-from conftest import (build_tiny_model, clone_model, distribution_pair, random_prompts,
-                      same_distribution_pvalue, staggered, third_tokens)
+from conftest import (build_tiny_model, clone_model, distribution_pair, make_engine,
+                      random_prompts, same_distribution_pvalue, staggered, third_tokens)
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.config import SpeculativeConfig
 from engine.spec_decode.adaptive import CostTable, KController, expected_tokens
 from engine.spec_decode.ngram import ngram_lookup
 
 LENGTHS = [3, 50, 17, 90, 8, 33, 1, 64]
-
-
-def make_engine(target, method="none", draft=None, k_max=4, adaptive=False, stop_confidence=0.0,
-                verification="coupled", draft_vocab_size=0, draft_quantization="none", **kw):
-    """stop_confidence 0 by default: random tiny drafts are unsure, and the tests want full
-    k-token drafts; the confidence stop has tests of its own."""
-    cfg = dict(num_blocks=256, max_num_batched_tokens=128, max_num_seqs=16)
-    cfg.update(kw)
-    spec = SpeculativeConfig(method=method, draft_model="in-memory" if draft else None,
-                             k_max=k_max, adaptive=adaptive, calibrate=adaptive,
-                             draft_stop_confidence=stop_confidence, verification=verification,
-                             draft_vocab_size=draft_vocab_size,
-                             draft_quantization=draft_quantization)
-    return LLMEngine(EngineConfig(speculative=spec, **cfg), model=clone_model(target),
-                     draft_model=clone_model(draft) if draft is not None else None)
 
 
 def repetitive_prompts():
@@ -111,7 +96,7 @@ def test_no_block_leak_with_and_without_preemption(num_blocks):
     if num_blocks == 20:
         assert engine.scheduler.stats.num_preemptions > 0
     assert engine.block_manager.num_free_blocks == num_blocks
-    assert engine.speculator._draft_probs == {}
+    assert engine.speculator.num_states == 0
 
 
 def test_draft_stops_early_where_it_is_unsure_and_stays_exact():

@@ -5,12 +5,13 @@ import pytest
 from conftest import (
     build_tiny_model,
     distribution_pair,
+    make_engine,
     random_prompts,
     same_distribution_pvalue,
     staggered,
     third_tokens,
 )
-from test_spec_decode import controller, make_engine
+from test_spec_decode import controller
 
 from engine import SamplingParams
 from engine.sequence import Sequence
@@ -244,7 +245,7 @@ def test_no_leak_after_200_requests_with_aborts(method):
         assert step < 5000
     spec = engine.speculator
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    assert spec.suffix.num_live == 0 and not spec._method and not spec._draft_probs
+    assert spec.suffix.num_live == 0 and spec.num_states == 0
     assert engine.scheduler.stats.num_preemptions > 0
     assert spec.stats.by_method["suffix"][1] > 0
 

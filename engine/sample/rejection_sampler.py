@@ -26,6 +26,8 @@ streams (`keys.noise_key`), so its tokens do not depend on the rest of the batch
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 
@@ -39,7 +41,8 @@ PLACEHOLDER = -1
 def rejection_sample(
     draft_token_ids: torch.Tensor,  # [num_draft_tokens] long
     num_draft_tokens: list[int],  # [B]
-    draft_probs: torch.Tensor | None,  # [num_draft_tokens, V] float, or None (one-hot drafts)
+    draft_probs: list[torch.Tensor | None] | None,  # [B] per sequence its q, [k_i, V] float,
+    #                                                 or None: one-hot on its drafts (n-gram)
     target_probs: torch.Tensor,  # [num_draft_tokens + B, V]: k_i + 1 rows per sequence. Rows
     #                              of sequences verified by pick are never read.
     by_pick: list[bool],  # [B] verified by pick (greedy, or coupled seeded sampling)
@@ -49,71 +52,136 @@ def rejection_sample(
     picks: torch.Tensor | None = None,  # [num_draft_tokens + B] long; None: argmax of
     #                                     target_probs (greedy)
 ) -> torch.Tensor:  # [B, max_k + 1] long: emitted tokens, padded with PLACEHOLDER
-    """Verify every sequence's drafts at once (terms in the module docstring).
-
-    Longer than most functions on purpose: acceptance, then the final token, then the output,
-    read top to bottom like the algorithm, over the same index tensors.
-    """
-    device = target_probs.device
-    batch, max_k = len(num_draft_tokens), max(num_draft_tokens, default=0)
-    per_seq = to_device([num_draft_tokens, by_pick], torch.long, device)
-    k, is_pick = per_seq[0], per_seq[1].bool()  # [B] each
-    draft_start = torch.cumsum(k, 0) - k  # [B] offset of each sequence's drafts
-    target_start = draft_start + torch.arange(batch, device=device)  # [B] its first target row
-    pos = torch.arange(max_k, device=device)[None, :]  # [1, K]
-    d_idx = (draft_start[:, None] + pos).clamp(max=max(draft_token_ids.numel() - 1, 0))
-    drafts = draft_token_ids[d_idx] if max_k else torch.zeros((batch, 0), dtype=torch.long,
-                                                               device=device)  # [B, K]
-    t_rows = (target_start[:, None] + pos).clamp(max=target_probs.shape[0] - 1)  # [B, K]
+    """Verify every sequence's drafts at once (terms in the module docstring): acceptance,
+    then the final token, then the output, over the same index grid."""
+    grid = _Grid.of(draft_token_ids, num_draft_tokens, by_pick, target_probs)
     picks = target_probs.argmax(dim=-1) if picks is None else picks  # [num rows]
-
-    if max_k:
-        # -- acceptance ----------------------------------------------------------------------
-        p_x = target_probs[t_rows, drafts]  # [B, K]
-        q_x = torch.ones_like(p_x) if draft_probs is None else draft_probs[d_idx, drafts]
-        uniform = _uniforms((batch, max_k), num_draft_tokens, by_pick, noise_keys,
-                            default_generator, device)
-        # q >= p: accept with probability p/q; q < p: always (uniform < 1 <= p/q)
-        sampled_ok = uniform * q_x < p_x
-        pick_ok = drafts == picks[t_rows]
-        accepted = torch.where(is_pick[:, None], pick_ok, sampled_ok) & (pos < k[:, None])
-        num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)  # [B]
-    else:
-        num_accepted = torch.zeros(batch, dtype=torch.long, device=device)
-
+    q = _DraftProbs(draft_probs, num_draft_tokens, grid.pos, grid.device)
+    num_accepted = _num_accepted(grid, target_probs, q, picks, num_draft_tokens, by_pick,
+                                 noise_keys, default_generator)
     # -- the final token: recovered at the first rejection, else bonus ------------------------
-    final_rows = target_start + num_accepted  # [B]
+    final_rows = grid.target_start + num_accepted  # [B]
     final = picks[final_rows]  # by pick: the target's own token, recovered or bonus
     if not all(by_pick):
         dist = target_probs[final_rows]  # [B, V]
-        at = num_accepted.clamp(max=max(max_k - 1, 0))[:, None]  # [B, 1] the first rejection
-        rejected_draft = drafts.gather(1, at) if max_k else at  # [B, 1]
-        q_row = None if draft_probs is None else draft_probs[d_idx.gather(1, at)[:, 0]]  # [B, V]
-        dist = _recovered_or_bonus(dist.float(), num_accepted < k, rejected_draft, q_row)
+        at = num_accepted.clamp(max=max(grid.max_k - 1, 0))[:, None]  # [B, 1] first rejection
+        rejected_draft = grid.drafts.gather(1, at) if grid.max_k else at  # [B, 1]
+        dist = _recovered_or_bonus(dist.float(), num_accepted < grid.k, rejected_draft,
+                                   q.row(at))
         noise = _final_noise(tuple(dist.shape), num_draft_tokens, by_pick, noise_keys,
                              num_accepted, default_generator)
-        final = torch.where(is_pick, final, (dist / noise).argmax(dim=-1))
+        final = torch.where(grid.is_pick, final, (dist / noise).argmax(dim=-1))
+    return _emitted(grid, num_accepted, final)
 
-    out = torch.full((batch, max_k + 1), PLACEHOLDER, dtype=torch.long, device=device)
-    if max_k:
-        keep = pos < num_accepted[:, None]
-        out[:, :max_k] = torch.where(keep, drafts, out[:, :max_k])
+
+class _Grid(NamedTuple):
+    """The [B, K] grid of draft positions (K = max k_i) and where each sequence's rows are."""
+
+    device: torch.device
+    batch: int
+    max_k: int
+    k: torch.Tensor  # [B] drafts per sequence
+    is_pick: torch.Tensor  # [B] bool: verified by pick
+    target_start: torch.Tensor  # [B] each sequence's first target row
+    pos: torch.Tensor  # [1, K] draft positions
+    drafts: torch.Tensor  # [B, K] the draft tokens (past k_i: another sequence's, never read)
+    t_rows: torch.Tensor  # [B, K] the target row of each draft
+
+    @classmethod
+    def of(cls, draft_token_ids: torch.Tensor, num_draft_tokens: list[int], by_pick: list[bool],
+           target_probs: torch.Tensor) -> "_Grid":
+        device = target_probs.device
+        batch, max_k = len(num_draft_tokens), max(num_draft_tokens, default=0)
+        per_seq = to_device([num_draft_tokens, by_pick], torch.long, device)
+        k, is_pick = per_seq[0], per_seq[1].bool()  # [B] each
+        draft_start = torch.cumsum(k, 0) - k  # [B] offset of each sequence's drafts
+        target_start = draft_start + torch.arange(batch, device=device)  # [B]
+        pos = torch.arange(max_k, device=device)[None, :]  # [1, K]
+        d_idx = (draft_start[:, None] + pos).clamp(max=max(draft_token_ids.numel() - 1, 0))
+        drafts = draft_token_ids[d_idx] if max_k else torch.zeros((batch, 0), dtype=torch.long,
+                                                                   device=device)  # [B, K]
+        t_rows = (target_start[:, None] + pos).clamp(max=target_probs.shape[0] - 1)  # [B, K]
+        return cls(device, batch, max_k, k, is_pick, target_start, pos, drafts, t_rows)
+
+
+def _num_accepted(grid: _Grid, target_probs: torch.Tensor, q: "_DraftProbs",
+                  picks: torch.Tensor, num_draft_tokens: list[int], by_pick: list[bool],
+                  noise_keys: list[list[int] | None],
+                  default: torch.Generator | None) -> torch.Tensor:
+    """[B] the accepted drafts of each sequence: the longest accepted prefix."""
+    if not grid.max_k:
+        return torch.zeros(grid.batch, dtype=torch.long, device=grid.device)
+    drafts = grid.drafts
+    p_x = target_probs[grid.t_rows, drafts]  # [B, K]
+    q_x = q.at(drafts, p_x)
+    uniform = _uniforms((grid.batch, grid.max_k), num_draft_tokens, by_pick, noise_keys,
+                        default, grid.device)
+    # q >= p: accept with probability p/q; q < p: always (uniform < 1 <= p/q)
+    sampled_ok = uniform * q_x < p_x
+    pick_ok = drafts == picks[grid.t_rows]
+    accepted = torch.where(grid.is_pick[:, None], pick_ok, sampled_ok) \
+        & (grid.pos < grid.k[:, None])
+    return accepted.long().cumprod(dim=1).sum(dim=1)
+
+
+def _emitted(grid: _Grid, num_accepted: torch.Tensor, final: torch.Tensor) -> torch.Tensor:
+    """[B, K + 1]: each sequence's accepted drafts, then its final token, then PLACEHOLDER."""
+    out = torch.full((grid.batch, grid.max_k + 1), PLACEHOLDER, dtype=torch.long,
+                     device=grid.device)
+    if grid.max_k:
+        keep = grid.pos < num_accepted[:, None]
+        out[:, :grid.max_k] = torch.where(keep, grid.drafts, out[:, :grid.max_k])
     out.scatter_(1, num_accepted[:, None], final[:, None])
     return out
 
 
+class _DraftProbs:
+    """The sequences' q over the [B, K] draft grid; a sequence without q is one-hot on its
+    drafts (q(x) = 1 at the draft, 0 elsewhere)."""
+
+    def __init__(self, qs: list[torch.Tensor | None] | None, num_draft_tokens: list[int],
+                 pos: torch.Tensor, device: torch.device) -> None:
+        qs = qs or [None] * len(num_draft_tokens)
+        has = [q is not None and k > 0 for q, k in zip(qs, num_draft_tokens)]
+        self.flat = torch.cat([q[:k] for q, k, h in zip(qs, num_draft_tokens, has) if h]) \
+            if any(has) else None  # [drafts with q, V]
+        if self.flat is None:
+            return
+        starts, at = [], 0
+        for k, h in zip(num_draft_tokens, has):
+            starts.append(at)
+            at += k if h else 0
+        per_seq = to_device([starts, has], torch.long, device)
+        self.has = per_seq[1].bool()  # [B]
+        self.start = per_seq[0]  # [B] first row of each sequence's q in `flat`
+        self.index = (self.start[:, None] + pos).clamp(max=self.flat.shape[0] - 1)  # [B, K]
+
+    def at(self, drafts: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """[B, K] q of each draft token."""
+        if self.flat is None:
+            return torch.ones_like(like)
+        return torch.where(self.has[:, None], self.flat[self.index, drafts], 1.0)
+
+    def row(self, at: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """([B, V] q at each sequence's draft `at` ([B, 1]), [B] whether it has q), or None
+        when no sequence has q."""
+        if self.flat is None:
+            return None
+        return self.flat[self.index.gather(1, at)[:, 0]], self.has
+
+
 def _recovered_or_bonus(p: torch.Tensor, rejected: torch.Tensor, rejected_draft: torch.Tensor,
-                        q: torch.Tensor | None) -> torch.Tensor:
+                        q: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
     """[B, V] the distribution of each sequence's final token: normalize(max(p - q, 0)) where
     a draft was `rejected` ([B] bool), p itself (the bonus token) where all were accepted.
 
     p: [B, V] target probabilities at the final row; rejected_draft: [B, 1] the rejected draft
-    token; q: [B, V] its draft probabilities, or None for one-hot drafts.
+    token; q: ([B, V] its draft probabilities, [B] bool: the sequence has q; one-hot where it
+    has not), or None when every sequence's drafts are one-hot.
     """
-    if q is None:
-        residual = p.scatter(1, rejected_draft, 0.0)  # q one-hot on the draft
-    else:
-        residual = (p - q).clamp_min(0.0)
+    residual = p.scatter(1, rejected_draft, 0.0)  # q one-hot on the draft
+    if q is not None:
+        residual = torch.where(q[1][:, None], (p - q[0]).clamp_min(0.0), residual)
     # a zero residual happens only when p == q numerically (rejection has prob. 0)
     usable = rejected & (residual.sum(dim=-1) > 0)
     return torch.where(usable[:, None], residual, p)

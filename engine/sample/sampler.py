@@ -16,6 +16,7 @@ steps verified. Unseeded rows share the engine's stream.
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -71,15 +72,16 @@ class SamplingTensors:
 
 
 def build_sampling_tensors(rows: list[RowSpec], vocab_size: int, device: torch.device,
-                           allowed: tuple[list[int], torch.Tensor] | None = None
-                           ) -> SamplingTensors:
+                           allowed: tuple[list[int], torch.Tensor] | None = None,
+                           cache: SettingsCache | None = None) -> SamplingTensors:
     """`allowed`: the grammar masks of the constrained rows when already computed (row
     indices, [G, V] bool); otherwise they are computed here from each row's `grammar`.
+    `cache`: the caller's settings of recent batch compositions (None: built anew).
 
     Everything is gathered on the host first and reaches the device in a few copies that do
     not block (engine/device_io.py): no per-row loop launches work on the device."""
     params = [r.params for r in rows]
-    settings = _settings(params, vocab_size, device)
+    settings = (cache or SettingsCache(0)).get(params, vocab_size, device)
     t = SamplingTensors(
         temperature=settings.temperature, greedy=settings.greedy, top_k=settings.top_k,
         top_p=settings.top_p, min_p=settings.min_p,
@@ -104,7 +106,7 @@ def build_sampling_tensors(rows: list[RowSpec], vocab_size: int, device: torch.d
 
 
 class _Settings(NamedTuple):
-    """The per-row settings tensors of one batch composition (see `_settings`)."""
+    """The per-row settings tensors of one batch composition (see `SettingsCache`)."""
 
     params: list[SamplingParams]  # held, so that no other object takes their ids meanwhile
     temperature: torch.Tensor
@@ -117,21 +119,39 @@ class _Settings(NamedTuple):
     all_greedy: bool
 
 
-# batch composition (device, vocabulary, each row's SamplingParams object) -> its settings
-_settings_cache: OrderedDict[tuple, _Settings] = OrderedDict()
 SETTINGS_CACHE_SIZE = 32
 
 
-def _settings(params: list[SamplingParams], vocab_size: int, device: torch.device) -> _Settings:
+class SettingsCache:
     """The settings tensors of rows with these params (temperature, greedy, top-k/p, min-p,
-    logit bias), cached per batch composition: a steady batch (the same requests with the same
-    number of rows each, step after step) builds and copies them once. A request's params do
-    not change once it is admitted, and the cache holds the objects it keys by identity."""
-    key = (torch.device(device), vocab_size, *map(id, params))
-    hit = _settings_cache.get(key)
-    if hit is not None:
-        _settings_cache.move_to_end(key)
-        return hit
+    logit bias) of the last `size` batch compositions: a steady batch (the same requests with
+    the same number of rows each, step after step) builds and copies them once. A request's
+    params do not change once it is admitted; the cache holds the objects it keys by identity,
+    so no other object can take their ids while an entry lives. One per caller (the verifier,
+    a draft model), never shared between engines."""
+
+    def __init__(self, size: int = SETTINGS_CACHE_SIZE) -> None:
+        self.size = size
+        # (device, vocabulary, each row's SamplingParams object) -> its settings
+        self.entries: OrderedDict[tuple, _Settings] = OrderedDict()
+
+    def get(self, params: list[SamplingParams], vocab_size: int,
+            device: torch.device) -> _Settings:
+        key = (torch.device(device), vocab_size, *map(id, params))
+        hit = self.entries.get(key)
+        if hit is not None:
+            self.entries.move_to_end(key)
+            return hit
+        settings = _settings(params, vocab_size, device)
+        if self.size:
+            self.entries[key] = settings
+            if len(self.entries) > self.size:
+                self.entries.popitem(last=False)
+        return settings
+
+
+def _settings(params: list[SamplingParams], vocab_size: int, device: torch.device) -> _Settings:
+    """The settings tensors of rows with these params, built."""
     greedy = [p.greedy for p in params]
     any_top_k = any(p.top_k > 0 and not g for p, g in zip(params, greedy))
     any_top_p = any(p.top_p < 1.0 and not g for p, g in zip(params, greedy))
@@ -147,9 +167,6 @@ def _settings(params: list[SamplingParams], vocab_size: int, device: torch.devic
         top_p=floats[1] if any_top_p else None,
         min_p=floats[2] if any_min_p else None,
         logit_bias=_logit_bias(params, device), greedy_rows=greedy, all_greedy=all(greedy))
-    _settings_cache[key] = settings
-    if len(_settings_cache) > SETTINGS_CACHE_SIZE:
-        _settings_cache.popitem(last=False)
     return settings
 
 
@@ -243,8 +260,13 @@ def _signed(value: int) -> int:
 
 
 _GAMMA, _MIX1, _MIX2 = (_signed(c) for c in (GOLDEN_GAMMA, MIX1, MIX2))
-_column_steps: dict[tuple[int, torch.device], torch.Tensor] = {}
 KEYED_ROWS_PER_PASS = 16
+
+
+@functools.lru_cache(maxsize=8)  # n is a vocabulary size or 1: a few entries per device
+def _column_steps(n: int, device: torch.device) -> torch.Tensor:
+    """[n] (j + 1) * gamma for j < n: the SplitMix64 increments of a stream's first n draws."""
+    return torch.arange(1, n + 1, dtype=torch.int64, device=device) * _GAMMA
 
 
 def _shift(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -262,10 +284,7 @@ def keyed_uniforms(keys: list[int], n: int, device: torch.device) -> torch.Tenso
     one pass (kernels/keyed_noise.py)."""
     if torch.device(device).type == "cuda" and keyed_noise.available():
         return keyed_noise.keyed_uniforms(to_device(keys, torch.int64, device), n)
-    steps = _column_steps.get((n, device))
-    if steps is None:  # (j + 1) * gamma for j < n
-        steps = _column_steps[(n, device)] = (
-            torch.arange(1, n + 1, dtype=torch.int64, device=device) * _GAMMA)
+    steps = _column_steps(n, torch.device(device))
     out = torch.empty((len(keys), n), dtype=torch.float32, device=device)
     for lo in range(0, len(keys), KEYED_ROWS_PER_PASS):  # bounds the int64 temporaries
         rows = keys[lo:lo + KEYED_ROWS_PER_PASS]

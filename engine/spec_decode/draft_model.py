@@ -35,11 +35,13 @@ import torch
 from engine import device_io
 from engine.block_manager import BlockManager
 from engine.device_io import Marks, to_device
-from engine.model_runner import DeviceTokens, ModelRunner, ModelShape, RunItem
+from engine.model_runner import ModelShape, RunItem
 from engine.models.draft import restrict_vocabulary
 from engine.sample import sampler
-from engine.sample.rejection_sampler import PLACEHOLDER
+from engine.runner_plan import RunnerPlan
+from engine.sample.row_spec import by_pick, draft_stream, row_spec
 from engine.sequence import Sequence
+from engine.spec_decode.drafts import Drafts
 from engine.spec_decode.proposer import Proposal, Proposer
 
 
@@ -55,14 +57,13 @@ def check_vocab(draft_vocab: int, target_vocab: int, tokenizer_size: int | None)
 
 
 class DraftModelProposer(Proposer):
-    def __init__(self, model: torch.nn.Module, *, num_blocks: int, block_size: int,
-                 block_manager: BlockManager, target_vocab_size: int,
+    def __init__(self, model: torch.nn.Module, plan: RunnerPlan, block_manager: BlockManager,
+                 target_vocab_size: int, max_model_len: int, *,
                  tokenizer_size: int | None = None, seed: int = 0,
-                 cpu_matmul_autotune: bool = False, stop_confidence: float = 0.0,
-                 attention_backend: str = "auto", attention_kv_split: int = 0,
-                 coupled: bool = True, vocabulary: torch.Tensor | None = None,
-                 defer_reads: bool | None = None) -> None:
-        """vocabulary: the token ids the draft scores ([n] long, ascending; None: all of them;
+                 stop_confidence: float = 0.0, coupled: bool = True,
+                 vocabulary: torch.Tensor | None = None, defer_reads: bool | None = None) -> None:
+        """plan: the runner plan the target's runner follows too (engine/runner_plan.py);
+        vocabulary: the token ids the draft scores ([n] long, ascending; None: all of them;
         engine/models/draft.py `draft_vocabulary`): its output projection is cut to those rows,
         and a token outside them is never drafted (q = 0 there, which the verifier handles
         exactly). defer_reads: chain the k draft forwards on the device and read their tokens
@@ -72,10 +73,9 @@ class DraftModelProposer(Proposer):
         check_vocab(draft_vocab, target_vocab_size, tokenizer_size)
         if vocabulary is not None:
             restrict_vocabulary(model, vocabulary)
-        self.runner = ModelRunner(model, num_blocks, block_size,
-                                  cpu_matmul_autotune=cpu_matmul_autotune,
-                                  attention_backend=attention_backend,
-                                  attention_kv_split=attention_kv_split)
+        self.runner = plan.runner(model, block_manager.num_blocks, block_manager.block_size,
+                                  target=False)
+        plan.enable_static_steps(self.runner, max_model_len)
         self.block_manager = block_manager
         self.target_vocab_size = target_vocab_size
         self.valid_vocab = min(draft_vocab, target_vocab_size, tokenizer_size or draft_vocab)
@@ -87,6 +87,7 @@ class DraftModelProposer(Proposer):
         # unseeded requests draft from the engine seed's stream, apart from the verifier's;
         # seeded ones with the noise key their rows carry
         self.generator = torch.Generator(device=self.device).manual_seed(seed + 1)
+        self.settings = sampler.SettingsCache()
 
     def _reserve(self, seq: Sequence, k: int) -> int:
         """Reserve the slots the draft writes (positions up to num_tokens + k - 2); shrink k
@@ -109,11 +110,15 @@ class DraftModelProposer(Proposer):
             out[:, :self.valid_vocab] = logits[:, :self.valid_vocab]
         return out
 
+    def _row(self, seq: Sequence, drafts: list[int] | int) -> sampler.RowSpec:
+        """The draft's row after `drafts` (their number when they stay on the device)."""
+        return row_spec(seq, drafts, draft_stream(self.coupled))
+
     @torch.inference_mode()
-    def propose(self, seqs: list[Sequence], ks: list[int], rows) -> Proposal:
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> Proposal:
         ks = [self._reserve(s, k) for s, k in zip(seqs, ks)]
         active = [i for i, k in enumerate(ks) if k > 0]
-        specs = [rows(i, []) for i in active]
+        specs = [self._row(seqs[i], []) for i in active]
         # rows under a grammar or with penalties need each draft on the host before the next
         defer = self.defer_reads and not any(r.grammar is not None or r.params.has_penalties
                                              for r in specs)
@@ -128,10 +133,10 @@ class DraftModelProposer(Proposer):
         while active:
             step = len(forwards)
             if step:
-                specs = [rows(i, [0] * step if defer else known[i]) for i in active]
+                specs = [self._row(seqs[i], step if defer else known[i]) for i in active]
             start = marks.mark()
             logits = self._to_target_vocab(self.runner.execute(
-                items, None if ids is None else DeviceTokens(range(len(items)), ids)).logits)
+                items, None if ids is None else Drafts.on_device(ids)).logits)
             sampled, q, confident = self._draft_token(
                 logits, specs, any(ks[i] > step + 1 for i in active))
             forward = _Forward(active, sampled, q, confident,
@@ -149,7 +154,7 @@ class DraftModelProposer(Proposer):
                 go_on = [j for j, i in enumerate(active)
                          if ks[i] > step and (sure is None or sure[j])]
             active = [active[j] for j in go_on]
-            items = [RunItem([known[i][-1]] if not defer else [PLACEHOLDER],
+            items = [RunItem([known[i][-1]] if not defer else [],
                              seqs[i].num_tokens + step - 1, seqs[i].block_table, 1,
                              seqs[i].num_prompt_tokens) for i in active]
         if defer and self.stop_confidence <= 0.0:
@@ -163,8 +168,7 @@ class DraftModelProposer(Proposer):
         but the last."""
         device = None
         if forwards:
-            device = torch.full((len(seqs), max(ks)), PLACEHOLDER, dtype=torch.long,
-                                device=self.device)
+            device = torch.zeros((len(seqs), max(ks)), dtype=torch.long, device=self.device)
             for step, f in enumerate(forwards):
                 device[:, step].index_copy_(0, to_device(f.active, torch.long, self.device),
                                             f.sampled)
@@ -175,8 +179,7 @@ class DraftModelProposer(Proposer):
                 seqs[i].num_draft_computed = seqs[i].num_tokens + k - 1
                 if all(f.q is not None for f in forwards[:k]):
                     probs[i] = torch.stack([f.q[r[i]] for f, r in zip(forwards[:k], rows)])
-        return Proposal([[PLACEHOLDER] * k for k in ks], probs, self._timings(forwards),
-                        marks, device)
+        return Proposal(None, probs, self._timings(forwards), marks, device, list(ks))
 
     @staticmethod
     def _timings(forwards: list["_Forward"]) -> list[tuple[int, int, object, object]]:
@@ -216,13 +219,13 @@ class DraftModelProposer(Proposer):
         """From one draft forward's logits ([n, V]), on the device: the next draft token per
         row, q ([n, V], None when no row needs it) and whether each row may go on drafting (the
         confidence stop; None when off or not `more_wanted`)."""
-        tensors = sampler.build_sampling_tensors(row_specs, self.target_vocab_size, self.device)
+        tensors = sampler.build_sampling_tensors(row_specs, self.target_vocab_size, self.device,
+                                                 cache=self.settings)
         processed = sampler.process_logits(logits, tensors)
         sampled = sampler.sample(processed, tensors, self.generator)
         # q is read only by rejection sampling: not for greedy rows, nor for seeded rows under
         # coupled verification (verified by the target's own keyed pick)
-        need_q = any(not (r.params.greedy or (self.coupled and r.params.seed is not None))
-                     for r in row_specs)
+        need_q = any(not by_pick(r.params, self.coupled) for r in row_specs)
         q = torch.softmax(processed, dim=-1) if need_q else None
         confident = None
         if self.stop_confidence > 0.0 and more_wanted:

@@ -36,7 +36,7 @@ class NgramProposer(Proposer):
             raise ValueError("invalid speculative config: need 1 <= ngram_min_n <= ngram_max_n")
         self.min_n, self.max_n = min_n, max_n
 
-    def propose(self, seqs: list[Sequence], ks: list[int], rows=None) -> Proposal:
-        """Drafts depend on the tokens alone: `rows` (the sampling settings) is not needed."""
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> Proposal:
+        """Drafts depend on the tokens alone, not on the sampling settings."""
         drafts = [ngram_lookup(s.token_ids, k, self.min_n, self.max_n) for s, k in zip(seqs, ks)]
         return Proposal(drafts, [None] * len(seqs))

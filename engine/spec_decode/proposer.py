@@ -1,27 +1,25 @@
 """Draft proposer interface. Implementations: draft model, prompt lookup (n-gram).
 
 A proposer must not schedule or verify: it is told which sequences to draft for and how many
-tokens each (k_i, chosen by the engine), and returns the drafts with their probabilities.
-A proposer whose drafts come out of a device may leave them there (`Proposal.device`).
+tokens each (k_i, chosen by the speculator), and returns the drafts with their probabilities.
+A proposer whose drafts come out of a device may leave them there (`Proposal.device`); a model
+proposer samples from the rows `engine/sample/row_spec.py` describes, as the verifier does.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Callable
-
 import torch
 
 from engine.device_io import Marks
-from engine.sample.sampler import RowSpec
 from engine.sequence import Sequence
 
 
 @dataclass
 class Proposal:
-    token_ids: list[list[int]]  # per sequence, at most k_i tokens (fewer when nothing matches);
-    #                             PLACEHOLDER where only `device` holds the token
+    token_ids: list[list[int]] | None  # per sequence, at most k_i tokens (fewer when nothing
+    #                                    matches); None when only `device` holds them
     probs: list[torch.Tensor | None]  # per sequence [len, V] processed draft probabilities, or
     #                                   None when drafts are deterministic (one-hot q)
     # (tokens, sequences, start, end) of each model forward it ran, for the cost model: marks
@@ -31,6 +29,11 @@ class Proposal:
     # [sequences, max k] the drafts on the device, not read by the host: the next step feeds
     # them to the target and the verifier from there and reads them with its results
     device: torch.Tensor | None = None
+    lengths: list[int] = field(default_factory=list)  # drafts per sequence (from token_ids)
+
+    def __post_init__(self) -> None:
+        if self.token_ids is not None:
+            self.lengths = [len(t) for t in self.token_ids]
 
     def forward_seconds(self) -> list[tuple[int, int, float]]:
         """(tokens, sequences, seconds) of each forward; only once the device has run them."""
@@ -45,14 +48,8 @@ class Proposal:
 
 class Proposer(ABC):
     @abstractmethod
-    def propose(self, seqs: list[Sequence], ks: list[int],
-                rows: Callable[[int, list[int]], RowSpec]) -> Proposal:
-        """Draft k_i tokens after each sequence's committed tokens.
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> Proposal:
+        """Draft k_i tokens after each sequence's committed tokens."""
 
-        `rows(i, drafts_so_far)` gives the sampler's RowSpec for sequence i at the position
-        after `drafts_so_far`, so a model proposer samples from the same processed distribution
-        the verifier uses for q.
-        """
-
-    def free(self, seq: Sequence) -> None:
+    def forget(self, seq: Sequence) -> None:
         """The sequence left the running set (finished or preempted): forget per-sequence state."""

@@ -1,27 +1,34 @@
-"""Speculation inside the engine step: choose k, propose drafts, keep q and the statistics.
+"""Speculation inside the engine step: choose k, propose drafts, keep each request's state.
 
-Must not schedule or verify. The engine calls the same four hooks every step whether
-speculation is on or not (`NoSpeculation` does nothing in each, so speculation off is a true
-plain step): `drop` sequences that left the running set, `draft_probs` while it verifies,
-`observe` the target pass and its verifications, `propose` after the scheduler committed the
-step's tokens.
+Must not schedule or verify. The engine calls the same hooks every step whether speculation is
+on or not (`NoSpeculation` does nothing in each, so speculation off is a true plain step):
+`drop` sequences that left the running set (preempted or finished), `take` the drafts the
+scheduled sequences verify (one `Drafts` for the step), `observe` the target pass and its
+verifications, `propose` after the scheduler committed the step's tokens.
+
+A request's speculation state between steps is one `SpecState` here: its pending drafts (on the
+host, or on the device only), their q, the method that proposed them and the acceptance
+estimate they were chosen on. The `Sequence` only counts its pending drafts
+(`num_draft_tokens`, for the scheduler's budget).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.model_runner import ModelRunner
-from engine.sample.sampler import RowSpec
+from engine.runner_plan import RunnerPlan
 from engine.sequence import Sequence
 from engine.spec_decode.adaptive import AcceptanceStats, KController, RealizedRates
 from engine.spec_decode.calibration import calibrate
 from engine.spec_decode.draft_model import DraftModelProposer
+from engine.spec_decode.drafts import Drafts
 from engine.spec_decode.ngram import NgramProposer
 from engine.spec_decode.proposer import Proposal, Proposer
 from engine.spec_decode.stats import SpecDecodeStats
@@ -31,8 +38,16 @@ from engine.spec_decode.suffix import SuffixCache, SuffixDraft
 # (the bonus token, and the last draft when all were accepted) includes a catch-up
 CATCH_UP_TOKENS = 2
 
-# row_spec(seq, drafts_so_far) -> how to sample the position after those drafts
-RowSpecFn = Callable[[Sequence, list[int]], RowSpec]
+
+@dataclass
+class SpecState:
+    """One request's speculation between steps."""
+
+    drafts: list[int] | None = None  # pending drafts on the host (None: none, or `device`)
+    device: torch.Tensor | None = None  # [k] pending drafts that only the device holds
+    q: torch.Tensor | None = None  # [k, V] their draft probabilities (None: one-hot)
+    method: tuple[str, int] | None = None  # (method, suffix match length) of the pending drafts
+    acceptance: float | None = None  # the estimate its last drafts were chosen on
 
 
 class NoSpeculation:
@@ -44,17 +59,14 @@ class NoSpeculation:
     def drop(self, seqs: list[Sequence], finished: bool) -> None:
         pass
 
-    def draft_probs(self, seq: Sequence, k: int) -> torch.Tensor | None:
-        return None
-
-    def pop_device_drafts(self, seq: Sequence) -> torch.Tensor | None:
+    def take(self, seqs: list[Sequence], num_drafts: list[int]) -> Drafts | None:
         return None
 
     def observe(self, target_tokens: int, target_seqs: int, seconds: float | None,
                 verified: Iterable[tuple[Sequence, int, int]]) -> None:
         pass
 
-    def propose(self, running: list[Sequence], num_joining: int, row_spec: RowSpecFn) -> None:
+    def propose(self, running: list[Sequence], num_joining: int) -> None:
         pass
 
 
@@ -74,47 +86,76 @@ class Speculator(NoSpeculation):
                                       draft_cost_free=config.method == "ngram")
         k_stats = max(config.k_max, config.suffix_max_spec_tokens if suffix else 0)
         self.stats = SpecDecodeStats(k_max=k_stats)
-        self._draft_probs: dict[str, torch.Tensor] = {}  # request id -> [k, V] q
-        # request id -> [k] its drafts on the device, when the host has not read them (its
-        # draft_token_ids hold placeholders)
-        self._device_drafts: dict[str, torch.Tensor] = {}
+        self._states: dict[str, SpecState] = {}  # request id -> its speculation
         self._unread: Proposal | None = None  # the last proposal, its forwards not timed yet
-        self._acceptance: dict[str, float] = {}  # request id -> estimate its drafts were chosen on
-        # request id -> (method, match length of a suffix proposal) of its pending drafts
-        self._method: dict[str, tuple[str, int]] = {}
         self.realized = RealizedRates()
         self._propose_seconds = 0.0  # the last propose call (paid by the step that verifies)
         self._catching_up = False  # the last proposal included a draft-model catch-up
 
     def drop(self, seqs: list[Sequence], finished: bool) -> None:
-        """Forget the drafts of sequences that left the running set (and all of their state
-        once `finished`; a finished sequence's text joins the suffix cache)."""
+        """Forget the speculation of sequences that left the running set (a preempted one is
+        recomputed from its committed tokens; a finished one's text joins the suffix cache)."""
         for seq in seqs:
-            self._draft_probs.pop(seq.request_id, None)
-            self._device_drafts.pop(seq.request_id, None)
-            self._acceptance.pop(seq.request_id, None)
-            self._method.pop(seq.request_id, None)
+            self._states.pop(seq.request_id, None)
             if finished:
                 if self.proposer is not None:
-                    self.proposer.free(seq)
+                    self.proposer.forget(seq)
                 if self.suffix is not None:
                     self.suffix.finish(seq)
         if self.suffix is not None:
             self.stats.suffix_cache_tokens = self.suffix.num_tokens
 
+    def _state(self, seq: Sequence) -> SpecState:
+        state = self._states.get(seq.request_id)
+        if state is None:
+            state = self._states[seq.request_id] = SpecState()
+        return state
+
+    def take(self, seqs: list[Sequence], num_drafts: list[int]) -> Drafts | None:
+        """The drafts the step's sequences verify (the first num_drafts[i] of sequence i's
+        pending ones: the budget may cut them), taken out of their states; None without any."""
+        if not any(num_drafts):
+            for seq in seqs:
+                self._clear(self._states.get(seq.request_id))
+            return None
+        host, device, q = [], [], []
+        for seq, k in zip(seqs, num_drafts):
+            state = self._states.get(seq.request_id) or SpecState()
+            host.append(state.drafts[:k] if state.drafts is not None else
+                        None if state.device is not None and k else [])
+            device.append(state.device[:k] if state.device is not None and k else None)
+            q.append(state.q)
+            self._clear(state)
+        return Drafts(host, device, q, list(num_drafts))
+
+    @property
+    def num_states(self) -> int:
+        """Requests with speculation state: those running (none once all finished)."""
+        return len(self._states)
+
+    def pending_drafts(self, seq: Sequence) -> list[int] | None:
+        """The sequence's drafts waiting to be verified, where the host holds them."""
+        state = self._states.get(seq.request_id)
+        return None if state is None else state.drafts
+
+    @staticmethod
+    def _clear(state: SpecState | None) -> None:
+        if state is not None:
+            state.drafts = state.device = state.q = None
+
     # -- drafting --------------------------------------------------------------------------
-    def propose(self, running: list[Sequence], num_joining: int, row_spec: RowSpecFn) -> None:
+    def propose(self, running: list[Sequence], num_joining: int) -> None:
         """Choose k and draft for every running sequence that is decoding.
 
         num_joining: waiting requests that will be admitted soon (they decode in this batch too).
         """
         started = time.perf_counter()
         try:
-            self._propose(running, num_joining, row_spec)
+            self._propose(running, num_joining)
         finally:
             self._propose_seconds = time.perf_counter() - started
 
-    def _propose(self, running: list[Sequence], num_joining: int, row_spec: RowSpecFn) -> None:
+    def _propose(self, running: list[Sequence], num_joining: int) -> None:
         if self.suffix is not None:
             self.suffix.maintain()  # a bounded share of evicted texts' index cleanup
         candidates = [s for s in running if s.params.speculative
@@ -122,52 +163,53 @@ class Speculator(NoSpeculation):
         if not candidates:
             return
         rooms = [self._room(s) for s in candidates]
-        free: list[SuffixDraft] | None = None
+        matches: list[SuffixDraft] | None = None  # suffix proposals: no draft forward needed
         if self.suffix is not None:
             for s in candidates:
                 self.suffix.sync(s)
-            free = [self.suffix.propose(s, room) for s, room in zip(candidates, rooms)]
-        ks, kf = self._choose(running, candidates, rooms, num_joining, free)
-        for s, k, draft in zip(candidates, kf, free or []):
+            matches = [self.suffix.propose(s, room) for s, room in zip(candidates, rooms)]
+        draft_ks, suffix_ks = self._choose(running, candidates, rooms, num_joining, matches)
+        for s, k, match in zip(candidates, suffix_ks, matches or []):
             if k:
-                self._set_drafts(s, draft.token_ids[:k], None, ("suffix", draft.match_length))
-        chosen = [(s, k) for s, k in zip(candidates, ks) if k > 0]
-        if not chosen:
-            return
-        seqs = [s for s, _ in chosen]
+                self._set_drafts(s, match.token_ids[:k], None, ("suffix", match.match_length))
+        chosen = [(s, k) for s, k in zip(candidates, draft_ks) if k > 0]
+        if chosen:
+            self._propose_with(*map(list, zip(*chosen)))
+
+    def _propose_with(self, seqs: list[Sequence], ks: list[int]) -> None:
+        """The proposer's drafts for `seqs`, k each."""
         t0 = time.perf_counter()
-        proposal = self.proposer.propose(seqs, [k for _, k in chosen],
-                                         lambda i, drafts: row_spec(seqs[i], drafts))
+        proposal = self.proposer.propose(seqs, ks)
         if proposal.device is None:  # read: its forwards have run
             self.stats.draft_seconds += time.perf_counter() - t0
             self._record_forwards(proposal)
         else:  # timed once the step that verifies it has read the device
             self._unread = proposal
-        for j, (seq, drafts, q) in enumerate(zip(seqs, proposal.token_ids, proposal.probs)):
-            device = None if proposal.device is None else proposal.device[j, :len(drafts)]
-            self._set_drafts(seq, drafts, q, (self.method, 0), device)
+        for j, (seq, q) in enumerate(zip(seqs, proposal.probs)):
+            k = proposal.lengths[j]
+            device = None if proposal.device is None else proposal.device[j, :k]
+            self._set_drafts(seq, proposal.token_ids[j] if device is None else None, q,
+                             (self.method, 0), device, k)
 
     def _record_forwards(self, proposal: Proposal) -> None:
         for num_tokens, num_seqs, seconds in proposal.forward_seconds():
             self.controller.draft_cost.record(num_tokens, num_seqs, seconds)
 
-    def _set_drafts(self, seq: Sequence, drafts: list[int], q: torch.Tensor | None,
-                    method: tuple[str, int], device: torch.Tensor | None = None) -> None:
-        """device: the drafts on the device when the host holds only placeholders (never for
-        a sequence under a grammar: the proposer reads those)."""
+    def _set_drafts(self, seq: Sequence, drafts: list[int] | None, q: torch.Tensor | None,
+                    method: tuple[str, int], device: torch.Tensor | None = None,
+                    k: int | None = None) -> None:
+        """drafts: on the host, or None where `device` ([k]) holds them (never for a
+        sequence under a grammar: the proposer reads those)."""
         if seq.matcher is not None and drafts:  # structured output: drafts the grammar
             valid = seq.matcher.validate_tokens(list(drafts))  # allows, to the first not
             drafts, q = drafts[:valid], (None if q is None else q[:valid])
-        seq.draft_token_ids = list(drafts)
-        if q is not None and drafts:
-            self._draft_probs[seq.request_id] = q
-        else:
-            self._draft_probs.pop(seq.request_id, None)
-        if device is not None and drafts:
-            self._device_drafts[seq.request_id] = device
-        else:
-            self._device_drafts.pop(seq.request_id, None)
-        self._method[seq.request_id] = method
+        k = len(drafts) if drafts is not None else k
+        seq.num_draft_tokens = k
+        state = self._state(seq)
+        state.drafts = list(drafts) if drafts is not None else None
+        state.device = device if k else None
+        state.q = q if k else None
+        state.method = method
 
     def _alpha(self, seq: Sequence, prior: float) -> float:
         """The sequence's acceptance estimate for the draft model (or prompt lookup)."""
@@ -175,7 +217,8 @@ class Speculator(NoSpeculation):
         return AcceptanceStats(accepted, rejections).estimate(prior)
 
     def _choose(self, running: list[Sequence], candidates: list[Sequence], rooms: list[int],
-                num_joining: int, free: list[SuffixDraft] | None) -> tuple[list[int], list[int]]:
+                num_joining: int, matches: list[SuffixDraft] | None
+                ) -> tuple[list[int], list[int]]:
         """(proposer k, suffix k) per candidate, from the controller, cut to `rooms`: the
         drafts each sequence has room for."""
         ctl = self.controller
@@ -186,27 +229,28 @@ class Speculator(NoSpeculation):
         backlog = [s.num_tokens - s.num_draft_computed for s in candidates]
         pending = num_joining + sum(s.params.speculative and s.num_computed_tokens <
                                     s.num_tokens - 1 for s in running)  # decode soon
-        if free is None:
-            ks = ctl.choose(alphas, other_tokens, backlog, [r + 1 for r in rooms], pending,
-                            len(others))
-            kf = [0] * len(candidates)
+        if matches is None:
+            draft_ks = ctl.choose(alphas, other_tokens, backlog, [r + 1 for r in rooms],
+                                  pending, len(others))
+            suffix_ks = [0] * len(candidates)
         else:
-            ks, kf = ctl.choose_hybrid(alphas, [d.confidence for d in free], other_tokens,
-                                       backlog, [r + 1 for r in rooms], pending, len(others),
-                                       draft=self.proposer is not None)
-        if (any(ks) or any(kf)) and self.config.adaptive \
+            draft_ks, suffix_ks = ctl.choose_hybrid(
+                alphas, [d.confidence for d in matches], other_tokens, backlog,
+                [r + 1 for r in rooms], pending, len(others), draft=self.proposer is not None)
+        if (any(draft_ks) or any(suffix_ks)) and self.config.adaptive \
                 and not self.realized.speculate(len(running)):
-            ks, kf = [0] * len(ks), [0] * len(kf)  # measured: plain steps are faster here
+            # measured: plain steps are faster here
+            draft_ks, suffix_ks = [0] * len(draft_ks), [0] * len(suffix_ks)
         # the draft model catching up on tokens it missed (after plain steps): the step's
         # realized rate is not what steady speculation reaches
-        self._catching_up = any(k > 0 and b > CATCH_UP_TOKENS for k, b in zip(ks, backlog))
-        if not any(ks):  # a step without drafts: old evidence must not keep k at 0 for good
+        self._catching_up = any(k > 0 and b > CATCH_UP_TOKENS for k, b in zip(draft_ks, backlog))
+        if not any(draft_ks):  # a step without drafts: old evidence must not keep k at 0 for good
             ctl.decay_evidence()
-        ks = [min(k, room) for k, room in zip(ks, rooms)]
-        self.stats.record_choice([max(a, b) for a, b in zip(ks, kf)])
+        draft_ks = [min(k, room) for k, room in zip(draft_ks, rooms)]
+        self.stats.record_choice([max(a, b) for a, b in zip(draft_ks, suffix_ks)])
         for s, a in zip(candidates, alphas):
-            self._acceptance[s.request_id] = a
-        return ks, kf
+            self._state(s).acceptance = a
+        return draft_ks, suffix_ks
 
     def _room(self, seq: Sequence) -> int:
         """Drafts that can still matter: before max_tokens and inside the context."""
@@ -216,16 +260,6 @@ class Speculator(NoSpeculation):
         return max(room, 0)
 
     # -- verification ------------------------------------------------------------------------
-    def draft_probs(self, seq: Sequence, k: int) -> torch.Tensor | None:
-        """q of the first k drafts being verified ([k, V]); None for deterministic drafts."""
-        q = self._draft_probs.pop(seq.request_id, None)
-        return None if q is None else q[:k]
-
-    def pop_device_drafts(self, seq: Sequence) -> torch.Tensor | None:
-        """The sequence's drafts on the device ([len(seq.draft_token_ids)]) when the host
-        holds placeholders for them, else None; taken by the step that runs them."""
-        return self._device_drafts.pop(seq.request_id, None)
-
     def observe(self, target_tokens: int, target_seqs: int, seconds: float | None,
                 verified: Iterable[tuple[Sequence, int, int]]) -> None:
         """One target pass (its cost includes verifying its drafts; `seconds` None when
@@ -248,8 +282,8 @@ class Speculator(NoSpeculation):
             emitted += num_accepted + 1
             if num_drafted:
                 self._record(seq, num_drafted, num_accepted)
-            else:
-                self._method.pop(seq.request_id, None)
+            elif seq.request_id in self._states:
+                self._states[seq.request_id].method = None
         if seconds is not None and len(verified) == target_seqs \
                 and target_tokens == target_seqs + drafted and not (drafted and self._catching_up):
             # a pure decode step: what it realized, drafting included
@@ -258,7 +292,9 @@ class Speculator(NoSpeculation):
         self._propose_seconds = 0.0
 
     def _record(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
-        method, match_length = self._method.pop(seq.request_id, (self.method, 0))
+        state = self._state(seq)
+        method, match_length = state.method or (self.method, 0)
+        state.method = None
         seq.num_drafted_tokens += num_drafted
         seq.num_accepted_tokens += num_accepted
         seq.num_spec_rejections += num_accepted < num_drafted
@@ -270,20 +306,19 @@ class Speculator(NoSpeculation):
         if method == "suffix":  # the suffix cache calibrates its own confidences
             self.suffix.record(seq, match_length, num_drafted, num_accepted)
             return
-        a = self._acceptance.get(seq.request_id)
+        a = state.acceptance
         self.controller.record_verification(
             num_drafted, num_accepted,
             None if a is None else self.controller.predicted_accepted(a, num_drafted))
 
 
-def build_speculator(config: EngineConfig, target: ModelRunner, block_manager: BlockManager,
-                     draft_model: torch.nn.Module | None, tokenizer_size: int | None,
-                     max_model_len: int,
-                     prepare_runner: Callable[[ModelRunner], None] | None = None,
+def build_speculator(config: EngineConfig, plan: RunnerPlan, target: ModelRunner,
+                     block_manager: BlockManager, draft_model: torch.nn.Module | None,
+                     tokenizer_size: int | None, max_model_len: int,
                      draft_vocabulary: torch.Tensor | None = None) -> NoSpeculation:
     """The speculation the config asks for (calibrated when adaptive), or `NoSpeculation`.
-    `prepare_runner` is applied to the draft model's runner before calibration;
-    `draft_vocabulary`: the ids a draft model scores (None: all)."""
+    A draft model's runner follows `plan`, as the target's does; `draft_vocabulary`: the ids a
+    draft model scores (None: all)."""
     speculative = config.speculative
     if not speculative.enabled:
         return NoSpeculation()
@@ -292,16 +327,10 @@ def build_speculator(config: EngineConfig, target: ModelRunner, block_manager: B
         proposer = NgramProposer(speculative.ngram_min_n, speculative.ngram_max_n)
     elif speculative.uses_draft_model:
         proposer = DraftModelProposer(
-            draft_model, num_blocks=block_manager.num_blocks, block_size=config.block_size,
-            block_manager=block_manager, target_vocab_size=target.shape.vocab_size,
+            draft_model, plan, block_manager, target.shape.vocab_size, max_model_len,
             tokenizer_size=tokenizer_size, seed=config.seed,
-            cpu_matmul_autotune=config.cpu_matmul_autotune,
             stop_confidence=speculative.draft_stop_confidence,
-            attention_backend=config.attention_backend,
-            attention_kv_split=config.attention_kv_split,
             coupled=speculative.verification == "coupled", vocabulary=draft_vocabulary)
-        if prepare_runner is not None:
-            prepare_runner(proposer.runner)
     suffix = None
     if speculative.method in ("suffix", "hybrid"):
         suffix = SuffixCache(max_tokens=speculative.suffix_cache_tokens,

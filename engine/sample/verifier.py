@@ -1,0 +1,176 @@
+"""The verifier: from one target forward's logits to the tokens each sequence emits.
+
+Must not schedule, propose or commit: it reads the step's sequences, their logits rows and the
+step's `Drafts`, and returns tokens (and logprobs) for the scheduler to commit.
+
+A sequence that verifies k drafts owns k + 1 logits rows (k = 0 is plain sampling): the row of
+its last committed token, then one per draft. Each row is processed by `sampler.process_logits`
+(grammar mask, penalties, temperature, top-k/p, min-p); then per sequence either its drafts are
+verified by pick (`row_spec.by_pick`: greedy, or coupled seeded sampling) or by rejection
+sampling against q (engine/sample/rejection_sampler.py, terms defined there). Everything runs on
+the device; the host reads the step's tokens and logprobs in ONE transfer (engine/device_io.py).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import NamedTuple
+
+import torch
+
+from engine import device_io
+from engine.sample import rejection_sampler, sampler
+from engine.sample.row_spec import by_pick, row_spec
+from engine.sequence import Sequence
+from engine.spec_decode.drafts import Drafts
+
+
+class GrammarMasks(NamedTuple):
+    rows: list[int]  # the step's constrained rows
+    allowed: Future  # -> [len(rows), V] bool
+
+
+class Verified(NamedTuple):
+    """Per sequence of the step: its emitted tokens (accepted drafts + one sampled token; []
+    for a prompt chunk that samples nothing), their logprobs (None unless asked for), and the
+    device mark of the step's end (None when nothing was sampled)."""
+
+    tokens: list[list[int]]
+    logprobs: list[list | None]
+    ended: object
+
+
+class _Owner(NamedTuple):
+    """A sequence that owns logits rows: `k` drafts to verify, rows first_row .. + k."""
+
+    index: int  # in the step's sequences
+    seq: Sequence
+    first_row: int
+    k: int
+
+
+class Verifier:
+    def __init__(self, vocab_size: int, device: torch.device, seed: int, coupled: bool,
+                 marks: device_io.Marks) -> None:
+        """coupled: seeded sampled requests are verified by the target's keyed pick (their
+        output is then exactly plain sampling's); otherwise by rejection sampling."""
+        self.vocab_size, self.device, self.coupled = vocab_size, device, coupled
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.marks = marks
+        self.settings = sampler.SettingsCache()
+        self._mask_thread: ThreadPoolExecutor | None = None
+
+    def grammar_masks(self, seqs: list[Sequence], num_rows: list[int],
+                      drafts: Drafts | None) -> GrammarMasks | None:
+        """Start computing the grammar masks of the step's constrained rows (the last committed
+        token and each draft of a sequence with a grammar) in a thread: llguidance releases
+        the GIL, so they overlap the target's forward. num_rows: per sequence its rows."""
+        rows, index, row = [], [], 0
+        for i, (seq, n) in enumerate(zip(seqs, num_rows)):
+            if n and seq.matcher is not None:
+                pending = drafts.of(i) if drafts is not None else []
+                rows += [(seq.matcher, pending[:j]) for j in range(n)]
+                index += range(row, row + n)
+            row += n
+        if not rows:
+            return None
+        if self._mask_thread is None:
+            self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+        grammars = next(s.grammars for s in seqs if s.matcher is not None)
+        return GrammarMasks(index, self._mask_thread.submit(grammars.allowed, rows, self.device))
+
+    def verify(self, seqs: list[Sequence], logits: torch.Tensor, row_offsets: list[int],
+               drafts: Drafts | None, masks: GrammarMasks | None = None) -> Verified:
+        """logits: [R, V] raw; sequence i owns rows row_offsets[i] : row_offsets[i + 1]."""
+        owners = [_Owner(i, seq, lo, hi - lo - 1) for i, (seq, lo, hi)
+                  in enumerate(zip(seqs, row_offsets, row_offsets[1:])) if hi > lo]
+        tokens: list[list[int]] = [[] for _ in seqs]
+        logprobs: list[list | None] = [None for _ in seqs]
+        if not owners:
+            return Verified(tokens, logprobs, None)
+        rows = [row_spec(o.seq, _before(drafts, o, j)) for o in owners for j in range(o.k + 1)]
+        emitted = self._emitted(owners, rows, logits, drafts, masks)
+        lp = self._logprob_tensors(owners, emitted, logits)
+        ended = self.marks.mark()
+        host = device_io.lists(emitted, *(lp or (None, None, None)))
+        emitted_lists = rejection_sampler.to_lists(host[0])
+        for o, toks, lps in zip(owners, emitted_lists,
+                                self._logprobs(owners, emitted_lists, host[1:])):
+            tokens[o.index], logprobs[o.index] = toks, lps
+        return Verified(tokens, logprobs, ended)
+
+    def _emitted(self, owners: list[_Owner], rows: list[sampler.RowSpec], logits: torch.Tensor,
+                 drafts: Drafts | None, masks: GrammarMasks | None) -> torch.Tensor:
+        """[B, max k + 1] on the device: per owner its emitted tokens, padded with
+        PLACEHOLDER."""
+        allowed = None if masks is None else (masks.rows, masks.allowed.result())
+        tensors = sampler.build_sampling_tensors(rows, self.vocab_size, self.device, allowed,
+                                                 self.settings)
+        processed = sampler.process_logits(logits, tensors)
+        if not any(o.k for o in owners):  # no speculation this step: one vectorized draw
+            return sampler.sample(processed, tensors, self.generator)[:, None]
+        picked = [by_pick(o.seq.params, self.coupled) for o in owners]
+        # the target's own pick at every row verified by pick: a keyed race for coupled
+        # sampled rows, the argmax for the rest (never read for rows verified by rejection)
+        race = [pick and not o.seq.params.greedy
+                for o, pick in zip(owners, picked) for _ in range(o.k + 1)]
+        picks = sampler.sample(processed, tensors, race=race)
+        # rows verified by pick only need their picks, which the processed logits already gave
+        target = processed if all(picked) else torch.softmax(processed, dim=-1)
+        qs = [None if pick or drafts.q[o.index] is None else drafts.q[o.index][:o.k]
+              for o, pick in zip(owners, picked)]
+        at = 0  # each owner's first row
+        noise_keys = []
+        for o, pick in zip(owners, picked):
+            keyed = not pick and o.seq.params.seed is not None
+            noise_keys.append([r.noise_key for r in rows[at:at + o.k + 1]] if keyed else None)
+            at += o.k + 1
+        return rejection_sampler.rejection_sample(
+            drafts.ids(self.device), [o.k for o in owners], qs, target, picked, noise_keys,
+            self.generator, picks)
+
+    def _logprob_tensors(self, owners: list[_Owner], emitted: torch.Tensor,
+                         logits: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        """On the device, the logprobs at every row of the owners that asked for them, of the
+        token emitted there (rows after the last emitted token are computed and dropped)."""
+        rows, at_owner, at_index, top = [], [], [], 0
+        for b, o in enumerate(owners):
+            if o.seq.params.logprobs is not None:
+                rows += range(o.first_row, o.first_row + o.k + 1)
+                at_owner += [b] * (o.k + 1)
+                at_index += range(o.k + 1)
+                top = max(top, o.seq.params.logprobs)
+        if not rows:
+            return None
+        index = device_io.to_device([rows, at_owner, at_index], torch.long, self.device)
+        tokens = emitted[index[1], index[2]].clamp(min=0)  # PLACEHOLDER rows: dropped later
+        return sampler.logprob_tensors(logits[index[0]], tokens, top)
+
+    @staticmethod
+    def _logprobs(owners: list[_Owner], emitted: list[list[int]],
+                  host: list) -> list[list | None]:
+        """Per owner, the logprobs of its emitted tokens (None unless it asked for them), from
+        the host lists of `_logprob_tensors`."""
+        if host[0] is None:
+            return [None] * len(owners)
+        chosen, vals, ids = host
+        result: list[list | None] = []
+        at = 0  # the owner's first row in the host lists
+        for o, toks in zip(owners, emitted):
+            n = o.seq.params.logprobs
+            if n is None:
+                result.append(None)
+                continue
+            m = len(toks)
+            result.append(sampler.logprob_entries(chosen[at:at + m], vals[at:at + m],
+                                                  ids[at:at + m], [n] * m))
+            at += o.k + 1
+        return result
+
+
+def _before(drafts: Drafts | None, owner: _Owner, j: int) -> list[int] | int:
+    """The owner's first j drafts (their number where only the device holds them)."""
+    if not j:
+        return []
+    host = drafts.host[owner.index]
+    return host[:j] if host is not None else j
