@@ -6,7 +6,7 @@ import zipfile
 import pytest
 
 from engine.models import recipes
-from engine.models.loader import resolve_model_path
+from engine.models.loader import ModelLoadError, resolve_model_path
 
 
 def _recipe(payload_parts, sha):
@@ -48,7 +48,7 @@ def test_assemble_refuses_sha_mismatch(tmp_path):
 def test_unknown_recipe_and_unfetched_model_are_clear(tmp_path):
     with pytest.raises(recipes.FetchError, match="unknown model recipe"):
         recipes.get_recipe("nope")
-    with pytest.raises(FileNotFoundError, match="specserve models fetch"):
+    with pytest.raises(ModelLoadError, match="specserve models fetch"):
         resolve_model_path("qwen2.5-coder-0.5b-instruct", cache_dir=str(tmp_path))
 
 

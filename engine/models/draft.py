@@ -11,7 +11,7 @@ import copy
 import torch
 
 from engine.config import SpeculativeConfig
-from engine.models.loader import load_model, resolve_model_path
+from engine.models.loader import ModelLoadError, load_model, resolve_model_path
 from engine.models.quantize import apply_quantization
 
 SUBSET_MULTIPLE = 64  # a vocabulary subset's size is rounded up to this (the int4 kernels' rows)
@@ -30,7 +30,7 @@ def draft_source(config: SpeculativeConfig, cache_dir: str | None = None) -> str
     """The draft's folder (where a stored GGUF form lives), if it is one."""
     try:
         return resolve_model_path(config.draft_model, cache_dir)
-    except FileNotFoundError:
+    except ModelLoadError:
         return None
 
 
