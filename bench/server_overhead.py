@@ -1,10 +1,12 @@
-"""HTTP overhead: the same 16 requests through the server (streamed) vs the engine's offline
-`generate`, same model and engine settings.
+"""HTTP overhead: the same requests through the server (streamed), with the engine in a thread
+of the server or in an engine process of its own, vs the engine's offline `generate`, at each
+concurrency; same model and engine settings.
 
-    python bench/server_overhead.py [--model smollm2-135m-instruct] [--max-tokens 64]
+    python bench/server_overhead.py [--model smollm2-135m-instruct] [--concurrency 1,16,32]
 
-Ends with `RESULT http_overhead=<http time / offline time>`; writes
-bench/results/server_overhead.md.
+Ends with `RESULT http_overhead_thread=<http time / offline time, worst concurrency>
+http_overhead_process=... process_vs_thread=<thread time / process time, worst concurrency>`;
+writes bench/results/server_overhead.md.
 """
 
 from __future__ import annotations
@@ -34,12 +36,15 @@ def prompts(n: int) -> list[list[dict]]:
     return [rows[i % len(rows)]["messages"] for i in range(n)]
 
 
-async def http_run(url: str, model: str, messages: list, max_tokens: int) -> tuple[float, int]:
+async def http_run(url: str, model: str, messages: list, max_tokens: int,
+                   concurrency: int) -> tuple[float, int]:
+    gate = asyncio.Semaphore(concurrency)
+
     async def one(ac, msgs):
         body = {"model": model, "messages": msgs, "max_tokens": max_tokens, "temperature": 0,
                 "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
         tokens = 0
-        async with ac.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        async with gate, ac.stream("POST", url + "/v1/chat/completions", json=body) as r:
             async for line in r.aiter_lines():
                 if line.startswith("data: {") and '"usage": {' in line:
                     tokens = json.loads(line[6:])["usage"]["completion_tokens"]
@@ -51,50 +56,78 @@ async def http_run(url: str, model: str, messages: list, max_tokens: int) -> tup
         return time.perf_counter() - t0, sum(counts)
 
 
+def offline_run(engine: LLMEngine, ids: list, params: SamplingParams,
+                concurrency: int) -> tuple[float, int]:
+    """`generate` over the requests in waves of `concurrency` (what the HTTP clients keep in
+    flight; the same total work)."""
+    t0, tokens = time.perf_counter(), 0
+    for i in range(0, len(ids), concurrency):
+        tokens += sum(len(o.output_token_ids) for o in engine.generate(ids[i:i + concurrency],
+                                                                     params))
+    return time.perf_counter() - t0, tokens
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--concurrency", default="1,16,32")
+    parser.add_argument("--least-requests", type=int, default=8,
+                        help="requests per concurrency at least (c=1 runs them one by one)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "server_overhead.md"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    messages = prompts(args.requests)
-    common = {"max_num_seqs": 32, "max_num_batched_tokens": 512, "num_threads": args.threads}
-
-    srv = ServerProcess(["--model", args.model, "--served-model-name", "bench", "--device", "cpu",
-                         "--dtype", "float32", "--num-threads", str(args.threads),
-                         "--speculative", "none", "--log-level", "warning"]).wait_ready(600)
-    try:
-        asyncio.run(http_run(srv.url, "bench", messages[:2], 4))  # warm-up
-        http_s, http_tokens = asyncio.run(http_run(srv.url, "bench", messages, args.max_tokens))
-    finally:
-        srv.terminate()
+    levels = [int(c) for c in args.concurrency.split(",")]
+    common = {"max_num_seqs": max(levels), "max_num_batched_tokens": 512,
+              "num_threads": args.threads}
+    seconds: dict[tuple[str, int], tuple[float, int]] = {}
+    for mode in ("thread", "process"):
+        srv = ServerProcess(["--model", args.model, "--served-model-name", "bench", "--device",
+                             "cpu", "--dtype", "float32", "--num-threads", str(args.threads),
+                             "--speculative", "none", "--log-level", "warning",
+                             "--engine-process" if mode == "process" else "--no-engine-process"]
+                            ).wait_ready(600)
+        try:
+            asyncio.run(http_run(srv.url, "bench", prompts(2), 4, 2))  # warm-up
+            for c in levels:
+                seconds[mode, c] = asyncio.run(http_run(
+                    srv.url, "bench", prompts(max(c, args.least_requests)), args.max_tokens, c))
+        finally:
+            srv.terminate()
 
     engine = LLMEngine(EngineConfig(model=args.model, dtype="float32", device="cpu", **common))
     tok = engine.tokenizer
-    ids = [tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True,
-                                   return_dict=False) for m in messages]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    engine.generate(ids[:2], SamplingParams(temperature=0, max_tokens=4))  # warm-up
-    t0 = time.perf_counter()
-    outs = engine.generate(ids, params)
-    offline_s = time.perf_counter() - t0
-    offline_tokens = sum(len(o.output_token_ids) for o in outs)
+    engine.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4))  # warm-up
+    for c in levels:
+        ids = [tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True,
+                                       return_dict=False)
+               for m in prompts(max(c, args.least_requests))]
+        seconds["offline", c] = offline_run(engine, ids, params, c)
 
-    ratio = http_s / offline_s
-    table = ("| path | requests | tokens | seconds | tokens/s |\n|---|---|---|---|---|\n"
-             f"| HTTP, streamed | {args.requests} | {http_tokens} | {http_s:.2f} | "
-             f"{http_tokens / http_s:.1f} |\n"
-             f"| offline generate | {args.requests} | {offline_tokens} | {offline_s:.2f} | "
-             f"{offline_tokens / offline_s:.1f} |")
-    result = f"RESULT http_overhead={ratio:.3f}"
+    rows = ["| concurrency | requests | offline tok/s | HTTP, engine thread tok/s | "
+            "HTTP, engine process tok/s | thread / offline time | process / offline time |",
+            "|---|---|---|---|---|---|---|"]
+    for c in levels:
+        (off_s, off_t), (th_s, th_t), (pr_s, pr_t) = (seconds[m, c] for m in
+                                                       ("offline", "thread", "process"))
+        rows.append(f"| {c} | {max(c, args.least_requests)} | {off_t / off_s:.1f} | "
+                    f"{th_t / th_s:.1f} | {pr_t / pr_s:.1f} | {th_s / off_s:.3f} | "
+                    f"{pr_s / off_s:.3f} |")
+    table = "\n".join(rows)
+    thread = max(seconds["thread", c][0] / seconds["offline", c][0] for c in levels)
+    process = max(seconds["process", c][0] / seconds["offline", c][0] for c in levels)
+    versus = min(seconds["thread", c][0] / seconds["process", c][0] for c in levels)
+    result = (f"RESULT http_overhead_thread={thread:.3f} http_overhead_process={process:.3f} "
+              f"process_vs_thread={versus:.3f}")
     print(table)
     print(result)
     write_results(args.out, "Server overhead", args.threads,
                   [f"model {args.model}, fp32, greedy, {args.max_tokens} new tokens per request, "
-                   f"all requests at once, no speculation"], table, result)
+                   f"streamed; at each concurrency c, max(c, {args.least_requests}) requests with "
+                   f"c in flight; no speculation; the offline engine runs them in waves of c"],
+                  table, result)
     return 0
 
 

@@ -71,16 +71,16 @@ def _add_probe_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
-        if state.load_error or (state.client is not None and not state.client.alive):
-            return errors.error_response(503, "the engine is not running", None, "engine_dead")
+        if state.dead:
+            return errors.error_response(503, f"the engine is not running: {state.dead}", None,
+                                         "engine_dead")
         return {"status": "ok"}
 
     @app.api_route("/ready", methods=["GET", "HEAD"])
     async def ready():
         if state.ready:
             return {"status": "ready", "model": state.model_name}
-        reason = ("draining" if state.draining else "failed" if state.load_error
-                  else "loading")
+        reason = "draining" if state.draining else "failed" if state.dead else "loading"
         return errors.error_response(503, f"not ready: {reason}", None, reason)
 
 

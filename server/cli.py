@@ -40,7 +40,8 @@ def _serve(args: argparse.Namespace) -> int:
         "host": args.host, "port": args.port, "api_keys": args.api_key or None,
         "served_model_name": args.served_model_name,
         "max_waiting_requests": args.max_waiting_requests,
-        "drain_timeout_s": args.drain_timeout, "log_level": args.log_level}.items()
+        "drain_timeout_s": args.drain_timeout, "log_level": args.log_level,
+        "engine_process": args.engine_process}.items()
         if v is not None}
     engine = {k: v for k, v in {
         "model": args.model, "device": args.device, "dtype": args.dtype,
@@ -62,8 +63,7 @@ def _serve(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    serve(config)
-    return 0
+    return serve(config)
 
 
 def _fetch_missing(engine_config) -> None:
@@ -176,6 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--drain-timeout", type=float,
                      help="seconds in-flight requests may finish after SIGTERM")
     srv.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    srv.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
+                     help="run the engine in a process of its own (default: the config's)")
     srv.add_argument("--fetch-missing", action="store_true",
                      help="first fetch recipe-named models that are not converted yet")
     srv.set_defaults(func=_serve)

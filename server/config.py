@@ -25,6 +25,9 @@ class ServerConfig(BaseModel):
     drain_timeout_s: float = Field(default=30.0, ge=0)  # SIGTERM: finish in-flight for so long
     retry_after_s: int = Field(default=1, ge=1)  # the least Retry-After of a 429 or 503
     log_level: str = "info"
+    # the engine in a process of its own (HTTP, tokenization and detokenization then never
+    # compete with the step for the GIL); False: in a thread of the server's process
+    engine_process: bool = False
     # Tenants: a request without `cache_salt` gets one derived from its API key, so tenants
     # never share prefix-cache blocks (a shared block answers faster: a timing side channel).
     # False: requests without a salt share the cache across keys, on purpose.
@@ -62,6 +65,7 @@ ENV = {
     "LOG_LEVEL": ("server", "log_level", str),
     "METRICS_PORT": ("server", "metrics_port", int),
     "MAX_CONNECTIONS": ("server", "max_connections", int),
+    "ENGINE_PROCESS": ("server", "engine_process", lambda v: v.lower() in ("1", "true", "yes")),
     "MODEL": ("engine", "model", str), "DEVICE": ("engine", "device", str),
     "DTYPE": ("engine", "dtype", str), "MODEL_CACHE": ("engine", "model_cache_dir", str),
     "KV_CACHE_MEMORY_GB": ("engine", "kv_cache_memory_gb", float),

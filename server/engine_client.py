@@ -1,10 +1,16 @@
 """EngineClient: the one boundary between the asyncio server and the engine.
 
-The engine runs its step loop in a dedicated thread (torch releases the GIL in its kernels), so
-the event loop stays responsive while a forward pass runs. Requests and aborts go in through a
-thread-safe inbox; outputs come back through per-request asyncio queues
-(`loop.call_soon_threadsafe`). Moving the engine into its own process later changes this class
-and nothing else. Must not touch a `Sequence`.
+The engine runs in an `EngineLoop` (server/engine_loop.py), either in a thread of this process
+(`in_thread`: torch releases the GIL in its kernels, so the event loop stays responsive while a
+forward runs) or in an engine process of its own (`in_process`, `server.engine_process`: HTTP,
+tokenization and detokenization then never compete with the step for the GIL). The two differ
+only in how messages travel (a queue, or a pipe); the server sees the same client: `submit`
+gives a RequestStream of StreamOutputs, `validate` answers before submitting, `info` says what
+is served, and listeners get each step's EngineStats snapshot with its outputs.
+
+A failed step fails its requests (their streams raise EngineStepError); an engine that cannot go
+on, or an engine process that died, fails every request at once (EngineDeadError) and `alive`
+turns false. Must not touch a `Sequence` or an LLMEngine's insides.
 """
 
 from __future__ import annotations
@@ -12,18 +18,26 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import multiprocessing
 import queue
 import threading
 import time
 from dataclasses import dataclass
 
-from engine import LLMEngine, RequestOutput, SamplingParams
+from engine import SamplingParams
+from engine.engine_stats import EngineInfo, EngineStats
+from engine.request_check import check_request
+from server.engine_loop import EngineLoop, StreamOutput
 
 log = logging.getLogger("specserve.engine")
 
 
 class EngineDeadError(RuntimeError):
-    pass
+    """The engine stopped: no request in flight will finish."""
+
+
+class EngineStepError(RuntimeError):
+    """A step with this request in it raised; the engine goes on with the others."""
 
 
 @dataclass
@@ -31,57 +45,84 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
 
-    def put(self, item) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the event loop is closed: nobody is listening
-            pass
-
 
 class EngineClient:
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._streams: dict[str, _Stream] = {}  # touched by the engine thread only
-        self._thread = threading.Thread(target=self._run, name="specserve-engine", daemon=True)
-        self.error: BaseException | None = None
+    def __init__(self, transport, info: EngineInfo, validate) -> None:
+        self._transport, self.info, self._validate = transport, info, validate
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()  # _streams: the event loop adds, the receiver removes
+        self.error: str | None = None  # why the engine stopped
+        self._shut_down = False
         # event-loop side: requests submitted, and those submitted and not yet finished
         self.num_submitted = 0
         self.num_in_flight = 0
         self._finish_times: collections.deque[float] = collections.deque(maxlen=64)
-        # engine-thread side, published after each step: submissions taken in, queue lengths
-        self._num_taken = 0
-        self.num_running = 0
-        self.num_waiting = 0
-        self.max_num_seqs = engine.scheduler.config.max_num_seqs
-        self.step_listeners: list = []  # callables(engine, outputs) run in the engine thread
+        self.stats = EngineStats()  # the latest snapshot
+        self.max_num_seqs = info.max_num_seqs
+        self.step_listeners: list = []  # callables(EngineStats, outputs), receiver thread
+
+    @classmethod
+    def in_thread(cls, engine) -> EngineClient:
+        """Run `engine` (an LLMEngine) in a thread of this process."""
+        from engine.engine_stats import describe
+
+        return cls(_ThreadTransport(engine), describe(engine), engine.validate)
+
+    @classmethod
+    def in_process(cls, engine_config, tokenizer) -> EngineClient:
+        """Build the engine of `engine_config` in a process of its own (blocks until it is
+        loaded; raises RuntimeError with the engine's one-line reason if it cannot be).
+        `tokenizer`: this process's copy, for checking grammars."""
+        transport = _ProcessTransport(engine_config)
+        info = transport.info
+        holder: list = []
+
+        def grammars():
+            if not holder:
+                from engine.structured import Grammars
+
+                holder.append(Grammars(tokenizer, info.vocab_size, set(info.eos_token_ids)))
+            return holder[0]
+
+        def validate(prompt_ids, params):
+            check_request(prompt_ids, params, info.vocab_size, info.max_model_len, grammars)
+
+        return cls(transport, info, validate)
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
-        self._thread.start()
+        self._transport.start(self._receive)
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        self._stop.set()
-        self._wake.set()
-        self._thread.join(timeout)
+        self._shut_down = True
+        self._transport.stop(timeout)
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and self.error is None
+        return self.error is None and self._transport.running
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine stopped serving when nobody shut it down, or None."""
+        if self.error is None and not self._shut_down and not self._transport.running:
+            return "the engine stopped"
+        return self.error
 
     # -- admission (event loop side) ---------------------------------------------------------
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidRequestError (naming the field) for what the engine cannot run."""
+        self._validate(prompt_ids, params)
+
     @property
     def num_queued(self) -> int:
         """Requests that wait for a running slot at this moment, from this client's own counts.
 
         In flight beyond `max_num_seqs` wait; a burst first fills the free running slots, even
-        before the engine thread has taken it in. Once the engine has a queue of its own (the KV
-        pool, not the slots, is what binds), every request it has not taken in joins it."""
+        before the engine has taken it in. Once the engine has a queue of its own (the KV
+        pool, not the slots, is what binds), every request not yet running joins it."""
         beyond_slots = max(0, self.num_in_flight - self.max_num_seqs)
-        if self.num_waiting:
-            return max(beyond_slots, self.num_waiting + self.num_submitted - self._num_taken)
+        if self.stats.num_waiting:
+            return max(beyond_slots, self.num_in_flight - self.stats.num_running)
         return beyond_slots
 
     def drain_rate(self) -> float | None:
@@ -97,122 +138,94 @@ class EngineClient:
 
     # -- requests (event loop side) ----------------------------------------------------------
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-               cache_salt: str | None = None) -> "RequestStream":
+               cache_salt: str | None = None) -> RequestStream:
         """Queue a request now (it counts as in flight at once); iterate the result for outputs.
 
         `cache_salt`: the prefix-cache partition (the tenant) of the request."""
         if not self.alive:
-            raise EngineDeadError("the engine is not running")
+            raise EngineDeadError(self.error or "the engine is not running")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        with self._lock:
+            self._streams[request_id] = stream
         self.num_submitted += 1
         self.num_in_flight += 1
-        self._inbox.put(("add", request_id, prompt_ids, params, cache_salt, stream))
-        self._wake.set()
+        self._transport.send(("add", request_id, list(prompt_ids), params, cache_salt))
         return RequestStream(self, request_id, stream)
 
     def abort(self, request_id: str) -> None:
-        self._inbox.put(("abort", request_id))
-        self._wake.set()
+        if self.alive:
+            self._transport.send(("abort", request_id))
 
     def abort_all(self) -> None:
-        self._inbox.put(("abort_all",))
-        self._wake.set()
+        if self.alive:
+            self._transport.send(("abort_all",))
 
-    # -- the engine thread -------------------------------------------------------------------
-    def _run(self) -> None:
-        try:
-            while not self._stop.is_set():
-                self._drain_inbox()
-                if self.engine.has_unfinished():
-                    self._step()
-                else:
-                    self._publish()
-                    self._wake.wait(timeout=1.0)
-                    self._wake.clear()
-        except BaseException as exc:  # the loop itself failed: report and fail every request
-            log.exception("engine loop died")
-            self.error = exc
-            for stream in self._streams.values():
-                stream.put(EngineDeadError("the engine loop stopped"))
-            self._streams.clear()
+    # -- the receiver (the engine thread, or the thread reading the engine process) ----------
+    def _receive(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "step":
+            _, outputs, stats = message
+            self.stats = stats
+            self._deliver([(out.request_id, out, out.finished) for out in outputs])
+            for listener in self.step_listeners:
+                listener(stats, outputs)
+        elif kind == "failed":
+            _, ids, reason = message
+            self._deliver([(rid, EngineStepError(f"the engine failed while serving this "
+                                                 f"request: {reason}"), True) for rid in ids])
+        elif kind == "rejected":
+            _, rid, reason = message
+            self._deliver([(rid, ValueError(reason), True)])
+        elif kind == "dead":
+            self._die(message[1])
 
-    def _drain_inbox(self) -> None:
-        while True:
-            try:
-                msg = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if msg[0] == "add":
-                _, rid, prompt_ids, params, cache_salt, stream = msg
-                self._num_taken += 1
-                try:
-                    self.engine.add_request(prompt_ids, params, request_id=rid,
-                                            cache_salt=cache_salt)
-                except ValueError as exc:  # validated before, but never take the loop down
-                    stream.put(exc)
-                    continue
-                self._streams[rid] = stream
-            else:
-                for rid in (list(self._streams) if msg[0] == "abort_all" else [msg[1]]):
-                    output = self.engine.abort(rid)
-                    stream = self._streams.pop(rid, None)
-                    if output is not None and stream is not None:
-                        stream.put(output)
+    def _die(self, reason: str) -> None:
+        """The engine stopped: every request in flight fails now."""
+        if self.error is None:
+            log.error("engine stopped: %s", reason)
+            self.error = reason
+        with self._lock:
+            ids = list(self._streams)
+        self._deliver([(rid, EngineDeadError(reason), True) for rid in ids])
 
-    def _step(self) -> None:
-        try:
-            outputs = self.engine.step()
-        except Exception as exc:  # a failing step fails its requests, not the server
-            log.exception("engine step failed; aborting the requests in flight")
-            for rid, stream in list(self._streams.items()):
-                self.engine.abort(rid)
-                stream.put(RuntimeError("the engine failed while serving this request"))
-            self._streams.clear()
-            del exc
-            return
-        # one wake-up of the event loop per step, not one per request
+    def _deliver(self, items: list[tuple[str, object, bool]]) -> None:
+        """Put each (request id, output or exception, last) on its stream: one wake-up of each
+        event loop for all of them."""
         batches: dict[asyncio.AbstractEventLoop, list] = {}
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is not None:
-                batches.setdefault(stream.loop, []).append((stream.queue, out))
-            if out.finished:
-                self._streams.pop(out.request_id, None)
-        for loop, items in batches.items():
+        with self._lock:
+            for rid, item, last in items:
+                stream = self._streams.pop(rid, None) if last else self._streams.get(rid)
+                if stream is not None:
+                    batches.setdefault(stream.loop, []).append((stream.queue, item))
+        for loop, batch in batches.items():
             try:
-                loop.call_soon_threadsafe(_deliver, items)
+                loop.call_soon_threadsafe(_put_all, batch)
             except RuntimeError:  # that event loop is closed: nobody is listening
                 pass
-        self._publish(outputs)
-
-    def _publish(self, outputs: list[RequestOutput] = ()) -> None:
-        self.num_running = self.engine.num_running
-        self.num_waiting = self.engine.num_waiting
-        for listener in self.step_listeners:
-            listener(self.engine, outputs)
 
 
-def _deliver(items: list) -> None:
+def _put_all(items: list) -> None:
     for queue_, item in items:
         queue_.put_nowait(item)
 
 
 class RequestStream:
-    """One request's outputs, step by step. Closing it early aborts the request in the engine."""
+    """One request's StreamOutputs, step by step. Closing it early aborts the request in the
+    engine."""
 
     def __init__(self, client: EngineClient, request_id: str, stream: _Stream) -> None:
         self.client, self.request_id, self._stream = client, request_id, stream
         self.finished = False
         self._closed = False
 
-    def __aiter__(self) -> "RequestStream":
+    def __aiter__(self) -> RequestStream:
         return self
 
-    async def __anext__(self) -> RequestOutput:
+    async def __anext__(self) -> StreamOutput:
         if self.finished or self._closed:
             raise StopAsyncIteration
         item = await self._stream.queue.get()
-        if isinstance(item, BaseException):  # the engine never took it, or the loop died
+        if isinstance(item, BaseException):  # refused, its step failed, or the engine died
             self.finished = True
             self.close()
             raise item
@@ -231,3 +244,160 @@ class RequestStream:
 
     def __del__(self) -> None:  # never leak a request whose consumer vanished
         self.close()
+
+
+# -- transports ------------------------------------------------------------------------------
+class _ThreadTransport:
+    """The engine loop in a thread of this process; messages through a queue."""
+
+    def __init__(self, engine) -> None:
+        self._engine = engine
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def start(self, receive) -> None:
+        loop = EngineLoop(self._engine, self._take, receive)
+        self._thread = threading.Thread(target=loop.run, name="specserve-engine", daemon=True)
+        self._thread.start()
+
+    def _take(self, wait: bool) -> list[tuple]:
+        messages = []
+        try:
+            messages.append(self._inbox.get(timeout=1.0) if wait else self._inbox.get_nowait())
+            while True:
+                messages.append(self._inbox.get_nowait())
+        except queue.Empty:
+            return messages
+
+    def send(self, message: tuple) -> None:
+        self._inbox.put(message)
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def stop(self, timeout: float) -> None:
+        self._inbox.put(("stop",))
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+
+class _ProcessTransport:
+    """The engine loop in a process of its own (spawned: no CUDA or thread state is forked);
+    messages through a pipe. A sender thread writes it, so a large prompt never blocks the
+    event loop while the engine is inside a step; a receiver thread reads it. The pipe's end
+    is the engine process's end: every request in flight fails within a read."""
+
+    LOAD_TIMEOUT_S = 3600.0
+
+    def __init__(self, engine_config) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child_conn = ctx.Pipe()
+        self.process = ctx.Process(target=engine_process_main, name="specserve-engine",
+                                   args=(engine_config, child_conn, logging.getLogger().level),
+                                   daemon=True)
+        self.process.start()
+        log.info("engine process started (pid %d); loading the engine there", self.process.pid)
+        child_conn.close()
+        self.info = self._wait_loaded()
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._stopping = False
+
+    def _wait_loaded(self) -> EngineInfo:
+        if not self._conn.poll(self.LOAD_TIMEOUT_S):
+            self.process.kill()
+            raise RuntimeError("the engine process did not load within an hour")
+        try:
+            kind, payload = self._conn.recv()
+        except EOFError:
+            self.process.join(5)
+            raise RuntimeError(f"the engine process exited while loading (exit code "
+                               f"{self.process.exitcode})") from None
+        if kind != "loaded":
+            self.process.join(5)
+            raise RuntimeError(payload)
+        return payload
+
+    def start(self, receive) -> None:
+        self._threads = [threading.Thread(target=self._write, name="specserve-engine-send",
+                                          daemon=True),
+                         threading.Thread(target=self._read, args=(receive,),
+                                          name="specserve-engine-recv", daemon=True)]
+        for thread in self._threads:
+            thread.start()
+
+    def send(self, message: tuple) -> None:
+        self._outbox.put(message)
+
+    def _write(self) -> None:
+        while True:
+            message = self._outbox.get()
+            try:
+                self._conn.send(message)
+            except (OSError, ValueError):  # the engine process is gone; the reader says so
+                return
+            if message[0] == "stop":
+                return
+
+    def _read(self, receive) -> None:
+        while True:
+            try:
+                message = self._conn.recv()
+            except (EOFError, OSError):
+                break
+            receive(message)
+            if message[0] == "dead":
+                break
+        if not self._stopping:
+            self.process.join(1.0)
+            code = self.process.exitcode
+            receive(("dead", "the engine process exited" +
+                     (f" (exit code {code})" if code is not None else "")))
+
+    @property
+    def running(self) -> bool:
+        return self.process.is_alive() and not self._stopping
+
+    def stop(self, timeout: float) -> None:
+        self._stopping = True
+        self.send(("stop",))
+        self.process.join(timeout)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+        self._conn.close()
+
+
+def engine_process_main(engine_config, conn, log_level: int) -> None:
+    """The engine process: load the engine, say so (or why not), run the loop until told to
+    stop or until this process's parent is gone (the pipe's end)."""
+    logging.basicConfig(level=log_level or logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s")
+    from engine import LLMEngine
+    from engine.engine_stats import describe
+    from engine.models.loader import ModelLoadError
+
+    try:
+        engine = LLMEngine(engine_config)
+    except (ModelLoadError, OSError, ValueError) as exc:
+        conn.send(("failed", f"{type(exc).__name__}: {exc}"))
+        return
+    except Exception as exc:  # noqa: BLE001 - reported whole, then the process ends
+        log.exception("the engine failed to load")
+        conn.send(("failed", f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(("loaded", describe(engine)))
+
+    def take(wait: bool) -> list[tuple]:
+        messages = []
+        try:
+            if conn.poll(1.0 if wait else 0):
+                messages.append(conn.recv())
+                while conn.poll(0):
+                    messages.append(conn.recv())
+        except (EOFError, OSError):  # the server is gone: stop
+            messages.append(("stop",))
+        return messages
+
+    EngineLoop(engine, take, conn.send).run()

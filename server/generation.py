@@ -22,6 +22,7 @@ from sse_starlette import EventSourceResponse
 from engine import SamplingParams
 from server import errors, tool_parser
 from server.detokenizer import IncrementalDetokenizer, StopChecker
+from server.engine_client import EngineDeadError, EngineStepError
 from server.errors import APIError
 from server.protocol import new_id
 from server.renderers import Renderer, usage
@@ -67,12 +68,12 @@ class ChoiceState:
     entries: list = field(default_factory=list)  # (token id, logprobs) of every token
 
     def advance(self, out) -> tuple[str, list]:
-        """Feed one engine output; returns (released content, logprob entries of new tokens).
+        """Feed one StreamOutput; returns (released content, logprob entries of new tokens).
         A repeated tool call ends the choice (`finish_reason` "tool_calls")."""
         if out.finished and out.finish_reason == "abort":
             raise APIError(503, "the request was aborted: the server is shutting down", None,
                            "aborted")
-        self.num_tokens = len(out.output_token_ids)
+        self.num_tokens = out.num_output_tokens
         self.num_cached_tokens = out.num_cached_tokens
         self.drafted, self.accepted = out.num_drafted_tokens, out.num_accepted_tokens
         self.spec_methods = out.spec_methods
@@ -92,9 +93,8 @@ class ChoiceState:
                 self.finish_reason = "tool_calls"  # ended by itself after calling tools
         self.text += released
         entries = []
-        if out.logprobs is not None and out.new_token_ids:
-            entries = out.logprobs[len(out.output_token_ids) - len(out.new_token_ids):]
-            entries = [(tok, lp) for tok, lp in zip(out.new_token_ids, entries)]
+        if out.new_logprobs is not None and out.new_token_ids:
+            entries = list(zip(out.new_token_ids, out.new_logprobs))
             self.entries += entries
         return released, entries
 
@@ -132,7 +132,15 @@ class Generation:
         return cls(state, renderer, prompt_ids, choices, streams, completion_id, include_usage)
 
     async def outputs(self) -> AsyncIterator[tuple[ChoiceState, str, list]]:
-        """(choice, released text, new logprob entries) per engine output, until all are done."""
+        """(choice, released text, new logprob entries) per engine output, until all are done.
+        The engine failing under the request is a 500 (APIError) for it."""
+        try:
+            async for item in self._choice_outputs():
+                yield item
+        except (EngineStepError, EngineDeadError) as exc:
+            raise APIError(500, str(exc), None, "server_error") from None
+
+    async def _choice_outputs(self) -> AsyncIterator[tuple[ChoiceState, str, list]]:
         async for i, out in merged(self.streams):
             choice = self.choices[i]
             if choice.done:

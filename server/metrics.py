@@ -1,7 +1,8 @@
 """Prometheus metrics: the only module that imports prometheus_client.
 
-The engine keeps plain stats (dataclasses and counters); `observe_step` runs in the engine
-thread after every step, and once a second when idle, so gauges are current with no traffic.
+The engine sends a plain snapshot of its stats (engine/engine_stats.py) with every step's
+outputs, and once a second when idle, so gauges are current with no traffic; `observe_step`
+runs in the thread that receives it (the engine thread, or the engine process's reader).
 Counters mirror engine counters by their increase since the previous observation. One server
 process serves one model pair (no worker processes), so the default registry mode is right;
 scale out with replicas behind a load balancer, each scraped on its own.
@@ -99,38 +100,35 @@ class Metrics:
         self.info.info({k: str(v) for k, v in labels.items()})
 
     # -- engine thread -----------------------------------------------------------------------
-    def observe_step(self, engine, outputs) -> None:
+    def observe_step(self, stats, outputs) -> None:
+        """One engine step: `stats` its EngineStats snapshot (engine/engine_stats.py),
+        `outputs` the RequestOutputs it produced."""
         now = time.monotonic()
-        self.num_running.set(engine.num_running)
-        self.num_waiting.set(engine.num_waiting)
-        usage = engine.block_manager.usage
-        self.kv_usage.labels("target").set(usage)
+        self.num_running.set(stats.num_running)
+        self.num_waiting.set(stats.num_waiting)
+        self.kv_usage.labels("target").set(stats.kv_usage)
         for out in outputs:
             self._observe_output(out, now)
-        self._mirror("preemptions", self.preemptions, engine.scheduler.stats.num_preemptions)
-        prefix = engine.block_manager.prefix_stats
-        self._mirror("prefix_queries", self.prefix_queries, prefix.queries)
-        self._mirror("prefix_hits", self.prefix_hits, prefix.hits)
-        self._mirror("grammar_requests", self.grammar_requests, engine.num_grammar_requests)
-        seconds = engine.grammar_mask_seconds
+        self._mirror("preemptions", self.preemptions, stats.num_preemptions)
+        self._mirror("prefix_queries", self.prefix_queries, stats.prefix_queries)
+        self._mirror("prefix_hits", self.prefix_hits, stats.prefix_hits)
+        self._mirror("grammar_requests", self.grammar_requests, stats.grammar_requests)
+        seconds = stats.grammar_mask_seconds
         if seconds > self._last_mask_seconds:
             self.grammar_mask_seconds.inc(seconds - self._last_mask_seconds)
             self._last_mask_seconds = seconds
-        speculator = engine.speculator
-        if not speculator.enabled:
+        if not stats.speculating:
             return
-        st = speculator.stats
-        self.kv_usage.labels("draft").set(
-            usage if speculator.config.uses_draft_model else 0)
-        self.spec_k.set(st.last_mean_k)
-        self._mirror("drafts", self.spec_drafts, st.num_drafts)
-        for method, (_, drafted, accepted) in st.by_method.items():
+        self.kv_usage.labels("draft").set(stats.draft_kv_usage)
+        self.spec_k.set(stats.mean_k)
+        self._mirror("drafts", self.spec_drafts, stats.num_drafts)
+        for method, (drafted, accepted) in stats.by_method.items():
             self._mirror(f"draft_tokens:{method}", self.spec_draft_tokens.labels(method), drafted)
             self._mirror(f"accepted:{method}", self.spec_accepted.labels(method), accepted)
-        self.suffix_cache_tokens.set(st.suffix_cache_tokens)
-        for pos, count in enumerate(st.accepted_per_pos):
+        self.suffix_cache_tokens.set(stats.suffix_cache_tokens)
+        for pos, count in enumerate(stats.accepted_per_pos):
             self._mirror(f"pos{pos}", self.spec_accepted_pos.labels(str(pos)), count)
-        for length in st.take_recent_lengths():
+        for length in stats.recent_lengths:
             self.accepted_length.observe(length)
 
     def _mirror(self, key: str, counter, total: int) -> None:
@@ -145,7 +143,7 @@ class Metrics:
             self.generation_tokens.inc(new)
             last = self._last_token_time.get(rid)
             if last is None:  # the request's first tokens
-                self.prompt_tokens.inc(len(out.prompt_token_ids))
+                self.prompt_tokens.inc(out.num_prompt_tokens)
                 self.ttft.observe(max(now - m["arrival_time"], 0.0))
                 self.queue_time.observe(max(m["first_scheduled_time"] - m["arrival_time"], 0.0))
                 new -= 1  # the first token's latency is the TTFT

@@ -1,5 +1,7 @@
 """Running the app: uvicorn with the HTTP limits of server.http, /metrics on its own port when
-configured, and a drain on SIGTERM/SIGINT before exiting 0.
+configured, a drain on SIGTERM/SIGINT before exiting 0, and an exit with status 1 when the
+engine cannot serve (its model did not load, it stopped, its process died), so that an
+orchestrator restarts the server.
 
 Must not touch the routes nor the engine beyond EngineClient's counters and abort.
 """
@@ -21,8 +23,9 @@ from server.state import ServerState
 log = logging.getLogger("specserve.server")
 
 
-def serve(config: AppConfig, engine: LLMEngine | None = None) -> None:
-    """Serve until SIGTERM/SIGINT; then drain (finish in-flight up to drain_timeout_s), exit 0."""
+def serve(config: AppConfig, engine: LLMEngine | None = None) -> int:
+    """Serve until SIGTERM/SIGINT, then drain (finish in-flight up to drain_timeout_s) and
+    return 0; or until the engine cannot serve, and return 1."""
     logging.basicConfig(level=config.server.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     state = ServerState(config)
@@ -33,7 +36,12 @@ def serve(config: AppConfig, engine: LLMEngine | None = None) -> None:
         side.append(uvicorn.Server(_uvicorn_config(
             create_metrics_app(state), cfg, cfg.metrics_host or cfg.host, cfg.metrics_port,
             "off")))
-    DrainingServer(api, state, side).run()
+    server = DrainingServer(api, state, side)
+    server.run()
+    if state.dead:
+        log.error("exiting: %s", state.dead)
+        return 1
+    return 0
 
 
 def _uvicorn_config(app, cfg: ServerConfig, host: str, port: int,
@@ -60,12 +68,22 @@ class DrainingServer(uvicorn.Server):
 
     async def serve(self, sockets=None) -> None:
         side = [asyncio.create_task(server._serve()) for server in self.side]  # no signals
+        watch = asyncio.create_task(self._watch_engine())
         try:
             await super().serve(sockets)
         finally:
+            watch.cancel()
             for server in self.side:
                 server.should_exit = True
             await asyncio.gather(*side, return_exceptions=True)
+
+    async def _watch_engine(self) -> None:
+        """Shut down once the engine cannot serve; requests in flight have had their errors
+        (EngineClient fails them when the engine stops), and give them a moment to be sent."""
+        while not self.state.dead:
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(1.0)
+        self.should_exit = True
 
     def handle_exit(self, sig, frame) -> None:  # a signal handler, in the main thread
         if self.state.draining:  # a second signal: stop now

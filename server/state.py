@@ -1,7 +1,8 @@
-"""ServerState: the one object the routes share (config, engine, client, tokenizer, readiness).
+"""ServerState: the one object the routes share (config, engine client, tokenizer, readiness).
 
-It loads the engine and starts its thread. Must not touch HTTP (no requests, no responses) nor a
-`Sequence`.
+It loads the engine (in a thread of this process, or in an engine process of its own) and starts
+its client. Must not touch HTTP (no requests, no responses), a `Sequence`, or an engine's
+insides: everything about the engine comes through `EngineClient`.
 """
 
 from __future__ import annotations
@@ -17,11 +18,13 @@ from server.protocol import now
 
 log = logging.getLogger("specserve.server")
 
+# failures that are the configuration's, said in one line; anything else keeps its traceback
+CONFIG_ERRORS = (OSError, ValueError, RuntimeError)
+
 
 @dataclass
 class ServerState:
     config: AppConfig
-    engine: LLMEngine | None = None
     client: EngineClient | None = None
     tokenizer: object = None
     model_name: str = ""
@@ -34,37 +37,48 @@ class ServerState:
     def ready(self) -> bool:
         return self.client is not None and self.client.alive and not self.draining
 
+    @property
+    def dead(self) -> str | None:
+        """Why this server can never serve (the model did not load, the engine stopped), or
+        None."""
+        if self.load_error:
+            return self.load_error
+        return None if self.client is None else self.client.failure
+
     def load(self, engine: LLMEngine | None = None) -> None:
-        """Build the engine (unless given) and start its thread; runs off the event loop."""
+        """Build the engine (unless given) and start its client; runs off the event loop."""
         try:
             engine_config: EngineConfig = self.config.engine_config()
-            self.engine = engine or LLMEngine(engine_config)
-            self.tokenizer = self.engine.tokenizer
+            if engine is None and self.config.server.engine_process:
+                client, self.tokenizer = self._engine_process(engine_config)
+            else:
+                engine = engine or LLMEngine(engine_config)
+                client, self.tokenizer = EngineClient.in_thread(engine), engine.tokenizer
             self.model_name = (self.config.server.served_model_name
                                or _model_name(engine_config.model))
-            self._describe(engine_config)
-            client = EngineClient(self.engine)
+            self.metrics.set_info(model=self.model_name, **client.info.labels())
             client.step_listeners.append(self.metrics.observe_step)
             client.start()
             self.client = client
-            log.info("engine ready: %s (%d KV blocks, context %d)", self.model_name,
-                     self.engine.block_manager.num_blocks, self.engine.max_model_len)
-        except Exception as exc:  # reported by /ready and /health
+            log.info("engine ready: %s (%d KV blocks, context %d%s)", self.model_name,
+                     client.info.num_blocks, client.info.max_model_len,
+                     ", in its own process" if self.config.server.engine_process else "")
+        except CONFIG_ERRORS as exc:  # reported by /ready and /health; the server exits
+            log.debug("engine load failed", exc_info=exc)
+            self.load_error = str(exc) or type(exc).__name__
+            log.error("cannot load the engine: %s", self.load_error)
+        except Exception as exc:
             log.exception("failed to load the engine")
             self.load_error = f"{type(exc).__name__}: {exc}"
 
-    def _describe(self, engine_config: EngineConfig) -> None:
-        """The model_info metric: what this server runs, for dashboards."""
-        spec = engine_config.speculative
-        self.metrics.set_info(
-            model=self.model_name, engine_model=engine_config.model,
-            draft_model=spec.draft_model or "", speculative_method=spec.method,
-            k_max=spec.k_max, adaptive=spec.adaptive, dtype=engine_config.dtype,
-            device=str(self.engine.device), block_size=engine_config.block_size,
-            num_blocks=self.engine.block_manager.num_blocks,
-            max_model_len=self.engine.max_model_len,
-            batch_invariant=bool(self.engine.runner.invariance
-                                 and self.engine.runner.invariance.invariant))
+    @staticmethod
+    def _engine_process(engine_config: EngineConfig) -> tuple[EngineClient, object]:
+        """The engine in a process of its own, and this process's tokenizer."""
+        from engine.models.loader import load_tokenizer
+
+        tokenizer = load_tokenizer(engine_config.model, engine_config.gguf_file,
+                                   engine_config.tokenizer, engine_config.model_cache_dir)
+        return EngineClient.in_process(engine_config, tokenizer), tokenizer
 
 
 def _model_name(model: str) -> str:

@@ -1,7 +1,7 @@
 """Request validation: a parsed request becomes prompt ids and SamplingParams, or an APIError.
 
-The engine is the one judge of what it can run: `SamplingParams` checks ranges and
-`LLMEngine.validate` the vocabulary, the context and max_tokens' room; both raise
+The engine is the one judge of what it can run: `SamplingParams` checks ranges and the engine's
+own check (`EngineClient.validate`) the vocabulary, the context and max_tokens' room; both raise
 `InvalidRequestError` naming the field, which becomes a 400 naming the endpoint's field. What only
 the server knows stays here: admission (draining, loading, queue), the model name, n, the chat
 template and the completion prompt's shapes. Must not touch a `Sequence` nor submit anything.
@@ -26,7 +26,8 @@ def check_accepting(state: ServerState) -> None:
     if state.draining:
         raise APIError(503, "the server is shutting down", None, "draining", retry)
     if state.client is None or not state.client.alive:
-        message = "the model is still loading" if state.load_error is None else "engine failed"
+        message = ("the model is still loading" if state.dead is None else
+                   f"the engine is not running: {state.dead}")
         raise APIError(503, message, None, "not_ready", retry)
     client, limit = state.client, state.config.server.max_waiting_requests
     queued = client.num_queued
@@ -184,11 +185,11 @@ def sampling_params(state: ServerState, req, prompt_ids: list[int], max_tokens: 
     grammar, grammar_field = grammar or request_grammar(req) or (None, None)
     # without max_tokens a choice may fill the context; at least 1, so that a prompt too long
     # for the context is what the engine reports
-    room = max(1, state.engine.max_model_len - len(prompt_ids))
+    room = max(1, state.client.info.max_model_len - len(prompt_ids))
     try:
         params = [_choice_params(req, i, max_tokens or room, num_logprobs, grammar)
                   for i in range(req.n)]
-        state.engine.validate(prompt_ids, params[0])  # the choices differ only in their seed
+        state.client.validate(prompt_ids, params[0])  # the choices differ only in their seed
     except InvalidRequestError as exc:
         param = {"prompt": prompt_field, "grammar": grammar_field}.get(exc.param, exc.param)
         message = exc.message
