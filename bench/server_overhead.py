@@ -99,12 +99,15 @@ def main() -> int:
     engine = LLMEngine(EngineConfig(model=args.model, dtype="float32", device="cpu", **common))
     tok = engine.tokenizer
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    engine.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4))  # warm-up
+
+    def chat_ids(n: int) -> list[list[int]]:
+        return [tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True,
+                                        return_dict=False) for m in prompts(n)]
+
+    offline_run(engine, chat_ids(2), SamplingParams(temperature=0, max_tokens=4), 2)  # warm-up
     for c in levels:
-        ids = [tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True,
-                                       return_dict=False)
-               for m in prompts(max(c, args.least_requests))]
-        seconds["offline", c] = offline_run(engine, ids, params, c)
+        seconds["offline", c] = offline_run(engine, chat_ids(max(c, args.least_requests)),
+                                            params, c)
 
     rows = ["| concurrency | requests | offline tok/s | HTTP, engine thread tok/s | "
             "HTTP, engine process tok/s | thread / offline time | process / offline time |",
