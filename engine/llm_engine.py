@@ -24,6 +24,7 @@ from engine.model_runner import RunItem
 from engine.models.draft import draft_vocabulary
 from engine.models.pair import eos_token_ids, load_models
 from engine.outputs import RequestOutput, request_output
+from engine.request_check import check_request
 from engine.runner_plan import RunnerPlan
 from engine.sample.verifier import Verifier
 from engine.sampling_params import SamplingParams
@@ -97,31 +98,10 @@ class LLMEngine:
 
     # -- requests --------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Refuse what this engine cannot run (InvalidRequestError naming the field).
-
-        Sampling ranges are checked when `params` is built; this adds what needs the model:
-        token ids inside the vocabulary, and the prompt plus max_tokens inside the context.
-        """
-        vocab, context = self.vocab_size, self.max_model_len
-        if not prompt_ids:
-            raise InvalidRequestError("the prompt is empty", "prompt")
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_ids):
-            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})",
-                                      "prompt")
-        if len(prompt_ids) >= context:
-            raise InvalidRequestError(
-                f"the prompt has {len(prompt_ids)} tokens, but the context length is {context} "
-                f"(the prompt plus at least one new token)", "prompt", "context_length_exceeded")
-        room = context - len(prompt_ids)
-        if params.max_tokens is not None and params.max_tokens > room:
-            raise InvalidRequestError(
-                f"max_tokens is {params.max_tokens}, but only {room} tokens fit after the "
-                f"{len(prompt_ids)}-token prompt (context {context})", "max_tokens",
-                "context_length_exceeded")
-        if params.logit_bias and max(params.logit_bias) >= vocab:
-            raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab})", "logit_bias")
-        if params.grammar is not None:
-            self.grammars.check(params.grammar)
+        """Refuse what this engine cannot run (InvalidRequestError naming the field):
+        engine/request_check.py. Sampling ranges are checked when `params` is built."""
+        check_request(prompt_ids, params, self.vocab_size, self.max_model_len,
+                      lambda: self.grammars)
 
     def add_request(self, prompt: list[int] | str, params: SamplingParams | None = None,
                     request_id: str | None = None, cache_salt: str | None = None) -> str:
