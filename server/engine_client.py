@@ -20,6 +20,7 @@ import collections
 import logging
 import multiprocessing
 import queue
+import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -371,7 +372,11 @@ class _ProcessTransport:
 
 def engine_process_main(engine_config, conn, log_level: int) -> None:
     """The engine process: load the engine, say so (or why not), run the loop until told to
-    stop or until this process's parent is gone (the pipe's end)."""
+    stop or until this process's parent is gone (the pipe's end). It ignores SIGINT and
+    SIGTERM: a Ctrl-C or a signal to the whole process group is the server's to handle (it
+    drains, then stops this process through the pipe)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level or logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s")
     from engine import LLMEngine

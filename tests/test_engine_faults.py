@@ -151,3 +151,19 @@ def test_a_step_that_breaks_the_engine_state_fails_every_request_and_kills_the_c
     assert "the engine failed: broken" in str(results[1])
     assert not client.alive and "broken" in client.failure
     client.shutdown()
+
+
+def test_the_engine_process_leaves_signals_to_the_server(model_dir):
+    """Ctrl-C or a signal to the whole process group reaches the engine process too: it goes
+    on serving, and the server drains, stops it, and exits 0."""
+    srv = start(model_dir, "--engine-process")
+    try:
+        pid = _engine_pid(srv)
+        os.kill(pid, signal.SIGINT)
+        os.kill(pid, signal.SIGTERM)
+        time.sleep(0.5)
+        r = httpx.post(srv.url + "/v1/completions", json=GOOD, timeout=30)
+        assert r.status_code == 200
+        assert httpx.get(srv.url + "/ready").status_code == 200
+    finally:
+        assert srv.terminate() == 0, srv.log()
