@@ -37,6 +37,10 @@ class EngineDeadError(RuntimeError):
     """The engine stopped: no request in flight will finish."""
 
 
+class EngineLoadError(RuntimeError):
+    """The engine process could not load the engine; the message is its one-line reason."""
+
+
 class EngineStepError(RuntimeError):
     """A step with this request in it raised; the engine goes on with the others."""
 
@@ -59,7 +63,6 @@ class EngineClient:
         self.num_in_flight = 0
         self._finish_times: collections.deque[float] = collections.deque(maxlen=64)
         self.stats = EngineStats()  # the latest snapshot
-        self.max_num_seqs = info.max_num_seqs
         self.step_listeners: list = []  # callables(EngineStats, outputs), receiver thread
 
     @classmethod
@@ -72,7 +75,7 @@ class EngineClient:
     @classmethod
     def in_process(cls, engine_config, tokenizer) -> EngineClient:
         """Build the engine of `engine_config` in a process of its own (blocks until it is
-        loaded; raises RuntimeError with the engine's one-line reason if it cannot be).
+        loaded; raises EngineLoadError with the engine's one-line reason if it cannot be).
         `tokenizer`: this process's copy, for checking grammars."""
         transport = _ProcessTransport(engine_config)
         info = transport.info
@@ -121,7 +124,7 @@ class EngineClient:
         In flight beyond `max_num_seqs` wait; a burst first fills the free running slots, even
         before the engine has taken it in. Once the engine has a queue of its own (the KV
         pool, not the slots, is what binds), every request not yet running joins it."""
-        beyond_slots = max(0, self.num_in_flight - self.max_num_seqs)
+        beyond_slots = max(0, self.num_in_flight - self.info.max_num_seqs)
         if self.stats.num_waiting:
             return max(beyond_slots, self.num_in_flight - self.stats.num_running)
         return beyond_slots
@@ -308,16 +311,16 @@ class _ProcessTransport:
     def _wait_loaded(self) -> EngineInfo:
         if not self._conn.poll(self.LOAD_TIMEOUT_S):
             self.process.kill()
-            raise RuntimeError("the engine process did not load within an hour")
+            raise EngineLoadError("the engine process did not load within an hour")
         try:
             kind, payload = self._conn.recv()
         except EOFError:
             self.process.join(5)
-            raise RuntimeError(f"the engine process exited while loading (exit code "
+            raise EngineLoadError(f"the engine process exited while loading (exit code "
                                f"{self.process.exitcode})") from None
         if kind != "loaded":
             self.process.join(5)
-            raise RuntimeError(payload)
+            raise EngineLoadError(payload)
         return payload
 
     def start(self, receive) -> None:
@@ -385,11 +388,9 @@ def engine_process_main(engine_config, conn, log_level: int) -> None:
 
     try:
         engine = LLMEngine(engine_config)
-    except (ModelLoadError, OSError, ValueError) as exc:
-        conn.send(("failed", f"{type(exc).__name__}: {exc}"))
-        return
-    except Exception as exc:  # noqa: BLE001 - reported whole, then the process ends
-        log.exception("the engine failed to load")
+    except Exception as exc:  # noqa: BLE001 - reported to the server, then the process ends
+        if not isinstance(exc, (ModelLoadError, OSError, ValueError)):  # not the config's
+            log.exception("the engine failed to load")
         conn.send(("failed", f"{type(exc).__name__}: {exc}"))
         return
     conn.send(("loaded", describe(engine)))

@@ -12,14 +12,15 @@ from dataclasses import dataclass, field
 
 from engine import EngineConfig, LLMEngine
 from server.config import AppConfig
-from server.engine_client import EngineClient
+from engine.models.loader import ModelLoadError
+from server.engine_client import EngineClient, EngineLoadError
 from server.metrics import Metrics
 from server.protocol import now
 
 log = logging.getLogger("specserve.server")
 
 # failures that are the configuration's, said in one line; anything else keeps its traceback
-CONFIG_ERRORS = (OSError, ValueError, RuntimeError)
+CONFIG_ERRORS = (ModelLoadError, EngineLoadError, OSError, ValueError)
 
 
 @dataclass
