@@ -179,6 +179,7 @@ class LLMEngine:
         return StepError(ids, intact)
 
     def _step(self) -> list[RequestOutput]:
+        step_started = time.perf_counter()
         out = self.scheduler.schedule()
         self._touched = seqs = [s.seq for s in out.scheduled]
         self.speculator.drop(out.preempted, finished=False)
@@ -202,7 +203,7 @@ class LLMEngine:
                                  for s, t in zip(out.scheduled, verified.tokens) if t))
         changed = self._update(out, verified.tokens, verified.logprobs)
         self._touched = list(self.scheduler.running)  # proposing drafts touches every one
-        self.speculator.propose(self.scheduler.running, self._num_joining())
+        self.speculator.propose(self.scheduler.running, self._num_joining(), step_started)
         return [self._output(seq) for seq in changed]
 
     def _update(self, out: SchedulerOutput, tokens: list[list[int]],

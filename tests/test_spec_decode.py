@@ -424,25 +424,104 @@ def test_padding_only_vocabulary_difference_is_allowed(tiny_tokenizer):
 def test_realized_rates_turn_speculation_off_where_it_measured_slower():
     from engine.spec_decode.adaptive import RealizedRates
 
-    r = RealizedRates(explore_every=4, refresh_every=8, explore_burst=1)
-    # no evidence yet: speculate, with a plain step now and then to measure plain
-    asked = [r.speculate(8) for _ in range(16)]
-    assert asked.count(False) == 2 and asked[7] is False
-    for _ in range(5):
+    r = RealizedRates()
+    # no plain rate yet: one step in 4 plain, for the class's first 32 decisions
+    asked = [r.decide(8) for _ in range(40)]
+    assert asked[:32] == (["speculate"] * 3 + ["plain"]) * 8
+    assert asked[32:] == ["speculate"] * 8  # then one in 32 (the 64th)
+    for _ in range(12):
         r.record(8, True, 16, 1.0)  # 16 tokens/s speculating
         r.record(8, False, 20, 1.0)  # 20 tokens/s plain
         r.record(1, True, 3, 1.0)  # one sequence: speculation wins
         r.record(1, False, 1, 1.0)
-    eight = [r.speculate(9) for _ in range(8)]  # 9 sequences: the same class as 8
-    assert eight.count(True) == 2  # only the exploration steps
-    one = [r.speculate(1) for _ in range(8)]
-    assert one.count(True) == 7  # one plain step to keep the plain rate current
-    for _ in range(40):  # speculation got faster: it comes back
+    # 9 sequences (the class of 8): plain, with bursts of 3 exploring steps at the end of
+    # periods of 16, 32, 64 decisions while speculation stays slower
+    eight = [r.decide(9) for _ in range(16 + 32 + 64)]
+    explored = [i for i, m in enumerate(eight) if m == "explore"]
+    assert explored == [13, 14, 15, 45, 46, 47, 109, 110, 111]
+    assert eight.count("speculate") == 0
+    one = [r.decide(1) for _ in range(32)]
+    assert one.count("speculate") == 31  # one plain step to keep the plain rate current
+    # speculation got faster: an exploring burst brings it back
+    while r.decide(8) != "explore":
+        pass
+    for _ in range(3):
         r.record(8, True, 30, 1.0)
-    assert [r.speculate(8) for _ in range(8)].count(True) == 7
-    # exploration in bursts: the first step of one pays the draft's catch-up, the rest measure
-    burst = RealizedRates(explore_every=8, refresh_every=8, explore_burst=3)
-    burst.record(1, True, 1, 1.0)
-    burst.record(1, False, 2, 1.0)
-    pattern = [burst.speculate(1) for _ in range(16)]
-    assert pattern.count(True) == 6 and pattern[7:10] == [True] * 3
+        r.decide(8)
+    assert r.rate(8, True) > r.rate(8, False)
+    assert [r.decide(8) for _ in range(8)].count("speculate") >= 7  # (a refresh may fall here)
+
+
+def test_a_realized_rate_weighs_each_step_by_its_time():
+    """Nine quick speculative steps and one that took 20 times as long: the rate is tokens
+    over seconds (3.4 tokens/s), not a mean of per-step rates (~9)."""
+    from engine.spec_decode.adaptive import RealizedRates
+
+    r = RealizedRates(decay=1.0, min_spec_steps=10)
+    for _ in range(9):
+        r.record(1, True, 1, 0.1)
+    r.record(1, True, 1, 2.0)
+    assert r.rate(1, True) == pytest.approx(10 / 2.9)
+    assert r.rate(1, False) is None  # no plain step yet
+    for _ in range(3):
+        r.record(1, False, 1, 0.1)
+    assert r.rate(1, False) is None  # three are too few: one unlucky step must not decide
+    assert r.saving(1) is None and r.pays_back(1, 100, 1.0) is None
+
+
+def test_speculation_backs_off_within_a_few_steps_when_it_falls_below_plain():
+    from engine.spec_decode.adaptive import RealizedRates
+
+    r = RealizedRates()
+    for _ in range(30):
+        r.record(4, True, 12, 0.4)  # 30 tokens/s
+        r.record(4, False, 4, 0.2)  # 20 tokens/s
+    assert r.decide(4) == "speculate"
+    slow = 0
+    while r.rate(4, True) >= r.rate(4, False):  # acceptance collapsed: 10 tokens/s
+        r.record(4, True, 4, 0.4)
+        slow += 1
+    assert slow <= 5
+    assert [r.decide(4) for _ in range(13)] == ["plain"] * 13
+
+
+def test_a_catch_up_must_pay_back_over_the_tokens_left():
+    from engine.spec_decode.adaptive import RealizedRates
+
+    r = RealizedRates()
+    for _ in range(12):
+        r.record(1, True, 30, 1.0)
+        r.record(1, False, 20, 1.0)
+    assert r.saving(1) == pytest.approx(1 / 20 - 1 / 30)
+    assert r.pays_back(1, 100, 1.0) is True  # 100 tokens save 1.67 s
+    assert r.pays_back(1, 30, 1.0) is False  # 30 save 0.5 s
+    for _ in range(20):
+        r.record(1, True, 10, 1.0)
+    assert r.saving(1) < 0 and r.pays_back(1, 10_000, 0.01) is False
+
+
+@pytest.mark.parametrize("realized_spec_rate, drafts", [(10.01, False), (1000.0, True)])
+def test_a_prompt_is_caught_up_only_where_realized_speculation_pays_it_back(realized_spec_rate,
+                                                                            drafts):
+    """The plan (cost tables) predicts a big win; what speculation realized at this batch size
+    decides whether the draft model catches up on a 60-token prompt: 200 tokens at a saving of
+    0.1 ms each do not pay for the catch-up's ~1 s, at 99 ms each they do. Output is plain's."""
+    from engine.spec_decode.adaptive import CostTable
+
+    target = build_tiny_model("qwen2")
+    prompt = random_prompts([60], seed=3)
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    plain = make_engine(target).generate(prompt, params)
+    engine = make_engine(target, "draft_model", target, adaptive=True)
+    spec = engine.speculator
+    spec.realized.decay = 1.0  # these rates outweigh what the run itself measures
+    for _ in range(spec.realized.min_spec_steps):
+        spec.realized.record(1, True, int(realized_spec_rate * 1e6), 1e6)
+        spec.realized.record(1, False, 10_000_000, 1e6)
+    spec.controller.draft_cost.table = CostTable()
+    for size in (1, 2, 4, 8):  # steady drafting looks free...
+        spec.controller.draft_cost.table.record(size, size * 1e-6)
+    spec.controller.draft_cost.table.record(64, 1.0)  # ... a 60-token catch-up costs ~1 s
+    out = engine.generate(prompt, params)
+    assert out[0].output_token_ids == plain[0].output_token_ids
+    assert (spec.stats.num_draft_tokens > 0) == drafts

@@ -117,36 +117,95 @@ class RealizedRates:
 
     The plans are predictions from cost tables kept by token count; at larger batches the
     packaged pair realized up to 15% less than predicted (per-row sampling and verification work
-    the tables see only on average), so speculation could run slower than plain decoding. Once a
-    class has both rates and speculation's is the lower, its steps run plain, with a burst of
-    `explore_burst` speculative steps every `explore_every` to notice when that changes (the
-    first step of a burst pays the draft model's catch-up on the tokens it missed, which a
-    steady run does not: the speculator records only steps without that catch-up); while
-    speculation wins, one step in `refresh_every` runs plain to keep the plain rate current.
+    the tables see only on average), so speculation could run slower than plain decoding. A
+    rate is the class's decayed sum of tokens over its decayed sum of seconds (a slow step
+    weighs by its time, not as one step among others); a speculative step's seconds are its
+    whole cost: the step from scheduling to committing its tokens, with its verification,
+    keyed draws and grammar masks, plus the proposal it verified (draft forwards, the draft
+    batch's own overhead, suffix lookups). What a steady run does not pay is kept out and
+    judged apart: a long catch-up of the draft model (a prompt, or tokens emitted by plain
+    steps) serves every later step, so it is an investment `pays_back` weighs against what
+    speculation saves (see Speculator._invest).
+
+    `decide` answers per step. Speculation runs ("speculate") until the class has both rates
+    and speculation's is the lower, with one plain step in `refresh_every` to keep the plain
+    rate current, and one in `measure_plain_every` while the class has no plain rate yet (for
+    its first `measure_plain_for` decisions: a new batch size cannot run a losing speculation
+    for long before there is a plain rate to compare with). Where it lost, steps run "plain",
+    with a burst of `explore_burst` "explore" steps at the end of every period to notice when
+    that changes; a burst forgets most of the old speculative evidence (`explore_forget`) so
+    that its own steps decide, and each burst that finds speculation still slower doubles the
+    period (`explore_every` up to `max_explore_every`): exploring a losing speculation costs
+    less and less. A rate needs `min_steps` steps (`min_spec_steps` speculative ones: a few
+    steps that kept none of their drafts must not decide); with `decay` per step of its mode,
+    a collapse shows within a few steps.
     """
 
-    alpha: float = 0.1
+    decay: float = 0.85
+    min_steps: int = 4
+    min_spec_steps: int = 12
     explore_every: int = 16
+    max_explore_every: int = 256
     explore_burst: int = 3
+    explore_forget: float = 0.3
     refresh_every: int = 32
-    rates: dict[tuple[int, bool], float] = field(default_factory=dict)
+    measure_plain_every: int = 4
+    measure_plain_for: int = 32
+    _sums: dict[tuple[int, bool], list[float]] = field(default_factory=dict)
     _asked: dict[int, int] = field(default_factory=dict)
+    _off: dict[int, list[int]] = field(default_factory=dict)  # class -> [decisions, period]
 
     def record(self, seqs: int, speculative: bool, tokens: int, seconds: float) -> None:
         if seconds <= 0.0 or tokens <= 0:
             return
-        key, rate = (seqs.bit_length(), speculative), tokens / seconds
-        old = self.rates.get(key)
-        self.rates[key] = rate if old is None else old + self.alpha * (rate - old)
+        sums = self._sums.setdefault((seqs.bit_length(), speculative), [0.0, 0.0, 0])
+        sums[0] = sums[0] * self.decay + tokens
+        sums[1] = sums[1] * self.decay + seconds
+        sums[2] += 1
 
-    def speculate(self, seqs: int) -> bool:
-        """Whether a step of `seqs` sequences that the plan would speculate should."""
+    def rate(self, seqs: int, speculative: bool) -> float | None:
+        """Realized tokens per second of the class of `seqs` (None: too few steps yet)."""
+        sums = self._sums.get((seqs.bit_length(), speculative))
+        if sums is None or sums[2] < (self.min_spec_steps if speculative else self.min_steps):
+            return None
+        return sums[0] / sums[1]
+
+    def decide(self, seqs: int) -> str:
+        """"speculate", "explore" or "plain", for the next step of `seqs` sequences with some
+        to draft for (each call counts as one such step; the plan then chooses the drafts)."""
         c = seqs.bit_length()
         asked = self._asked[c] = self._asked.get(c, 0) + 1
-        spec, plain = self.rates.get((c, True)), self.rates.get((c, False))
-        if spec is not None and plain is not None and spec < plain:
-            return asked % self.explore_every < self.explore_burst
-        return asked % self.refresh_every != 0
+        spec, plain = self.rate(seqs, True), self.rate(seqs, False)
+        if plain is None and asked <= self.measure_plain_for:
+            return "plain" if asked % self.measure_plain_every == 0 else "speculate"
+        if spec is None or plain is None or spec >= plain:
+            self._off.pop(c, None)
+            return "plain" if asked % self.refresh_every == 0 else "speculate"
+        off = self._off.setdefault(c, [0, self.explore_every])  # [decision, period]
+        off[0] += 1
+        if off[0] > off[1]:  # a burst ended and speculation is still slower: explore less often
+            off[0], off[1] = 1, min(2 * off[1], self.max_explore_every)
+        first = off[1] - self.explore_burst + 1  # the burst: the period's last decisions
+        if off[0] == first:  # its own steps decide
+            sums = self._sums[c, True]
+            sums[0] *= self.explore_forget
+            sums[1] *= self.explore_forget
+        return "explore" if off[0] >= first else "plain"
+
+    def saving(self, seqs: int) -> float | None:
+        """Seconds speculation saved per token emitted at this batch size, realized (negative
+        where it lost; None until both rates are known)."""
+        spec, plain = self.rate(seqs, True), self.rate(seqs, False)
+        if spec is None or plain is None:
+            return None
+        return 1.0 / plain - 1.0 / spec
+
+    def pays_back(self, seqs: int, remaining: float, seconds: float) -> bool | None:
+        """Whether catching a draft up for `seconds` pays back over the `remaining` tokens a
+        sequence is expected to emit, at the saving realized at this batch size (None: no
+        realized saving yet, the plan's prediction decides)."""
+        saving = self.saving(seqs)
+        return None if saving is None else remaining * saving > seconds
 
 
 @dataclass

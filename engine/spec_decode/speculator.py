@@ -4,7 +4,8 @@ Must not schedule or verify. The engine calls the same hooks every step whether 
 on or not (`NoSpeculation` does nothing in each, so speculation off is a true plain step):
 `drop` sequences that left the running set (preempted or finished), `take` the drafts the
 scheduled sequences verify (one `Drafts` for the step), `observe` the target pass and its
-verifications, `propose` after the scheduler committed the step's tokens.
+verifications, `propose` after the scheduler committed the step's tokens (told when the step
+began, so that the step's whole cost, proposal included, is what its realized rate counts).
 
 A request's speculation state between steps is one `SpecState` here: its pending drafts (on the
 host, or on the device only), their q, the method that proposed them and the acceptance
@@ -37,6 +38,10 @@ from engine.spec_decode.suffix import SuffixCache, SuffixDraft
 # a step whose drafts come after more tokens than a steady run leaves the draft model behind
 # (the bonus token, and the last draft when all were accepted) includes a catch-up
 CATCH_UP_TOKENS = 2
+OUTPUT_ALPHA = 0.1  # weight of a finished request's output length in the running mean
+# where speculation measured slower, an exploring step may catch the draft model up only for
+# at most this share of the time since the last exploration (else it explores without it)
+EXPLORE_SHARE = 0.03
 
 
 @dataclass
@@ -66,7 +71,8 @@ class NoSpeculation:
                 verified: Iterable[tuple[Sequence, int, int]]) -> None:
         pass
 
-    def propose(self, running: list[Sequence], num_joining: int) -> None:
+    def propose(self, running: list[Sequence], num_joining: int,
+                step_started: float | None = None) -> None:
         pass
 
 
@@ -90,7 +96,12 @@ class Speculator(NoSpeculation):
         self._unread: Proposal | None = None  # the last proposal, its forwards not timed yet
         self.realized = RealizedRates()
         self._propose_seconds = 0.0  # the last propose call (paid by the step that verifies)
-        self._catching_up = False  # the last proposal included a draft-model catch-up
+        # the last proposal's draft-model catch-up beyond a steady step's: (tokens of its first
+        # forward, tokens beyond CATCH_UP_TOKENS per sequence, drafting sequences)
+        self._catch_up = (0, 0, 0)
+        self._sample: tuple[int, bool, int, float] | None = None  # the step's, to be timed
+        self._mean_output: float | None = None  # output tokens of recently finished requests
+        self._since_explored = 0.0  # seconds of steps since an exploring step last caught up
 
     def drop(self, seqs: list[Sequence], finished: bool) -> None:
         """Forget the speculation of sequences that left the running set (a preempted one is
@@ -98,6 +109,9 @@ class Speculator(NoSpeculation):
         for seq in seqs:
             self._states.pop(seq.request_id, None)
             if finished:
+                n = seq.num_output_tokens
+                self._mean_output = n if self._mean_output is None else \
+                    self._mean_output + OUTPUT_ALPHA * (n - self._mean_output)
                 if self.proposer is not None:
                     self.proposer.forget(seq)
                 if self.suffix is not None:
@@ -144,12 +158,24 @@ class Speculator(NoSpeculation):
             state.drafts = state.device = state.q = None
 
     # -- drafting --------------------------------------------------------------------------
-    def propose(self, running: list[Sequence], num_joining: int) -> None:
+    def propose(self, running: list[Sequence], num_joining: int,
+                step_started: float | None = None) -> None:
         """Choose k and draft for every running sequence that is decoding.
 
-        num_joining: waiting requests that will be admitted soon (they decode in this batch too).
+        num_joining: waiting requests that will be admitted soon (they decode in this batch too);
+        step_started: when the step that just committed its tokens began (perf_counter), so
+        that its realized rate counts all of it.
         """
         started = time.perf_counter()
+        if step_started is not None:
+            self._since_explored += started - step_started
+        if self._sample is not None and step_started is not None:
+            seqs, speculative, emitted, excess = self._sample
+            # the step's wall time and the proposal it verified, less the part of that
+            # proposal's catch-up a steady run does not pay
+            seconds = started - step_started + self._propose_seconds - excess
+            self.realized.record(seqs, speculative, emitted, seconds)
+        self._sample, self._propose_seconds = None, 0.0
         try:
             self._propose(running, num_joining)
         finally:
@@ -227,23 +253,34 @@ class Speculator(NoSpeculation):
         others = [s for s in running if s not in candidates]
         other_tokens = sum(min(s.num_uncomputed_tokens, self.budget) for s in others)
         backlog = [s.num_tokens - s.num_draft_computed for s in candidates]
+        remaining = [self._expected_remaining(s, room) + 1 for s, room in zip(candidates, rooms)]
         pending = num_joining + sum(s.params.speculative and s.num_computed_tokens <
                                     s.num_tokens - 1 for s in running)  # decode soon
-        if matches is None:
-            draft_ks = ctl.choose(alphas, other_tokens, backlog, [r + 1 for r in rooms],
-                                  pending, len(others))
-            suffix_ks = [0] * len(candidates)
+        n = len(candidates)
+        mode = self.realized.decide(len(running)) if self.config.adaptive else "speculate"
+        measured = self.realized.saving(len(running)) is not None
+        # a long catch-up is judged by the plan's prediction until speculation's saving here is
+        # measured, then by that (`_invest`); an exploring step pays it where it is cheap
+        excused = measured if mode == "speculate" else (
+            mode == "explore" and self._affordable(backlog, len(running)))
+        plan_backlog = [min(b, CATCH_UP_TOKENS) for b in backlog] if excused else backlog
+        if mode == "plain":  # measured: plain steps are faster here (or being measured)
+            draft_ks, suffix_ks = [0] * n, [0] * n
+        elif matches is None:
+            draft_ks = ctl.choose(alphas, other_tokens, plan_backlog, remaining, pending,
+                                  len(others))
+            suffix_ks = [0] * n
         else:
             draft_ks, suffix_ks = ctl.choose_hybrid(
-                alphas, [d.confidence for d in matches], other_tokens, backlog,
-                [r + 1 for r in rooms], pending, len(others), draft=self.proposer is not None)
-        if (any(draft_ks) or any(suffix_ks)) and self.config.adaptive \
-                and not self.realized.speculate(len(running)):
-            # measured: plain steps are faster here
-            draft_ks, suffix_ks = [0] * len(draft_ks), [0] * len(suffix_ks)
-        # the draft model catching up on tokens it missed (after plain steps): the step's
-        # realized rate is not what steady speculation reaches
-        self._catching_up = any(k > 0 and b > CATCH_UP_TOKENS for k, b in zip(draft_ks, backlog))
+                alphas, [d.confidence for d in matches], other_tokens, plan_backlog, remaining,
+                pending, len(others), draft=self.proposer is not None)
+        if mode == "speculate" and measured:
+            draft_ks = self._invest(draft_ks, backlog, remaining, len(running))
+        elif mode == "explore" and not excused:  # explore where the draft is caught up
+            draft_ks = [0 if b > CATCH_UP_TOKENS else k for k, b in zip(draft_ks, backlog)]
+        drafting = [b for k, b in zip(draft_ks, backlog) if k > 0]
+        self._catch_up = (sum(max(b, 1) for b in drafting),
+                          sum(max(b - CATCH_UP_TOKENS, 0) for b in drafting), len(drafting))
         if not any(draft_ks):  # a step without drafts: old evidence must not keep k at 0 for good
             ctl.decay_evidence()
         draft_ks = [min(k, room) for k, room in zip(draft_ks, rooms)]
@@ -251,6 +288,43 @@ class Speculator(NoSpeculation):
         for s, a in zip(candidates, alphas):
             self._state(s).acceptance = a
         return draft_ks, suffix_ks
+
+    def _invest(self, draft_ks: list[int], backlog: list[int], remaining: list[int],
+                num_running: int) -> list[int]:
+        """Draft-model k per candidate, 0 where catching its draft up (a prompt, or tokens
+        emitted while it did not draft) does not pay back over the tokens it is expected to
+        emit still, at the saving speculation realized at this batch size. Without a realized
+        saving the plan's prediction stands (KController's catch-up charge)."""
+        cost = self.controller.draft_cost
+        out = list(draft_ks)
+        for i, (k, b) in enumerate(zip(draft_ks, backlog)):
+            if k and b > CATCH_UP_TOKENS and self.realized.pays_back(
+                    num_running, remaining[i], cost(b) - cost(1)) is False:
+                out[i] = 0
+        return out
+
+    def _affordable(self, backlog: list[int], num_running: int) -> bool:
+        """Whether an exploring step may catch every drafting sequence's draft up: for at most
+        EXPLORE_SHARE of the time since the last one did (a batch of new prompts is not worth
+        caught up to learn that speculation still loses here)."""
+        cost = self.controller.draft_cost
+        if self.proposer is None or self.controller.draft_cost_free or cost.empty:
+            return True
+        n = len(backlog)
+        extra = cost(sum(max(b, 1) for b in backlog), n) - cost(n, n)
+        if extra > EXPLORE_SHARE * self._since_explored:
+            return False
+        self._since_explored = 0.0
+        return True
+
+    def _expected_remaining(self, seq: Sequence, room: int) -> int:
+        """Tokens the sequence is expected to emit still: its room, or fewer where recent
+        requests ended sooner (one that outlived their mean is expected to go half as long
+        again)."""
+        if self._mean_output is None:
+            return room
+        mean = self._mean_output
+        return min(room, int(max(mean - seq.num_output_tokens, 0.5 * mean)))
 
     def _room(self, seq: Sequence) -> int:
         """Drafts that can still matter: before max_tokens and inside the context."""
@@ -265,14 +339,12 @@ class Speculator(NoSpeculation):
         """One target pass (its cost includes verifying its drafts; `seconds` None when
         unknown: a CUDA step that read nothing back) and, per sequence, (seq, drafts verified,
         drafts accepted). Called after the step read the device, so the forwards of a
-        proposal left there are timed now; their span on the device is what the step paid for
-        drafting (the host only queued them)."""
+        proposal left there are timed now (the step's wall time includes their span on the
+        device: the read waited for them)."""
         if self._unread is not None:
             proposal, self._unread = self._unread, None
             self._record_forwards(proposal)
-            drafting = proposal.device_seconds()
-            self.stats.draft_seconds += drafting
-            self._propose_seconds = max(self._propose_seconds, drafting)
+            self.stats.draft_seconds += proposal.device_seconds()
         if seconds is not None:
             self.controller.target_cost.record(target_tokens, target_seqs, seconds)
         verified = list(verified)
@@ -284,12 +356,15 @@ class Speculator(NoSpeculation):
                 self._record(seq, num_drafted, num_accepted)
             elif seq.request_id in self._states:
                 self._states[seq.request_id].method = None
+        first, excess, batch = self._catch_up
+        self._catch_up = (0, 0, 0)
         if seconds is not None and len(verified) == target_seqs \
-                and target_tokens == target_seqs + drafted and not (drafted and self._catching_up):
-            # a pure decode step: what it realized, drafting included
-            self.realized.record(target_seqs, drafted > 0, emitted,
-                                 seconds + self._propose_seconds)
-        self._propose_seconds = 0.0
+                and target_tokens == target_seqs + drafted:
+            # a pure decode step: timed when the next proposal starts (see `propose`)
+            cost = self.controller.draft_cost
+            catch_up = (max(cost(first, batch) - cost(first - excess, batch), 0.0)
+                        if excess and drafted else 0.0)
+            self._sample = (target_seqs, drafted > 0, emitted, catch_up)
 
     def _record(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
         state = self._state(seq)
