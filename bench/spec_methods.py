@@ -3,7 +3,9 @@
 Methods: plain (no speculation), draft_model (the 0.5B draft, adaptive k), ngram (prompt lookup),
 suffix (suffix matches in the sequence's own text and in earlier requests' texts), hybrid
 (per sequence per step, the suffix match or the draft model, whichever the cost model predicts
-pays more). Target bf16, draft with int4 linears (as served), greedy unless stated.
+pays more). Target and draft as `make serve` serves them by default (`--quantization auto`: int4
+on the CPU from the GGUF's blocks; the draft int4 with a 32,768-token vocabulary);
+`--quantization none` runs the bf16 target. Greedy unless stated.
 
 Workloads (prompts written for this project's benchmarks, no external dataset):
 - chat: bench/prompts/chat.jsonl, 8 coding and prose questions;
@@ -19,7 +21,8 @@ of 8 after the other); plain and hybrid also chat at 16 (the 8 prompts twice). E
 concurrency) starts with an empty suffix cache and an empty prefix cache, so no case is helped
 by an earlier case's text. Greedy identity: each method's token ids vs plain's.
 
-    python bench/spec_methods.py [--max-tokens 48] [--c1-prompts 4] [--quick]
+    python bench/spec_methods.py [--quantization auto|int4|none] [--max-tokens 48]
+                                 [--c1-prompts 4] [--quick]
 
 Prints a table, ends with a RESULT line, writes bench/results/spec_methods.md.
 """
@@ -45,6 +48,7 @@ from engine.config import SpeculativeConfig  # noqa: E402
 from engine.models import recipes  # noqa: E402
 from engine.models.draft import prepare_draft  # noqa: E402
 from engine.models.loader import load_model  # noqa: E402
+from engine.models.quantize import apply_quantization  # noqa: E402
 from engine.spec_decode.suffix import SuffixCache  # noqa: E402
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
@@ -57,14 +61,26 @@ def load_prompts(tok, path):
                                     return_dict=False) for r in rows]
 
 
-def make_engine(method, target, draft, tok, k_max):
+def make_engine(method, target, draft, tok, k_max, draft_vocab_size):
     spec = SpeculativeConfig(method="none" if method == "plain" else method,
                              draft_model=DRAFT if method in ("draft_model", "hybrid") else None,
-                             k_max=k_max, adaptive=True)
+                             k_max=k_max, adaptive=True, draft_vocab_size=draft_vocab_size)
     uses_draft = method in ("draft_model", "hybrid")
     return LLMEngine(EngineConfig(kv_cache_memory_gb=1.5, max_num_seqs=32,
                                   max_num_batched_tokens=512, speculative=spec),
                      model=target, tokenizer=tok, draft_model=draft if uses_draft else None)
+
+
+def describe_linears(model) -> str:
+    """What the model's linear layers are: bf16, or how many of each quantized form."""
+    kinds: dict[str, int] = {}
+    for module in model.modules():
+        name = type(module).__name__
+        if name.endswith("Linear"):
+            kinds[name] = kinds.get(name, 0) + 1
+    if set(kinds) <= {"Linear"}:
+        return "bf16"
+    return ", ".join(f"{n} {name}" for name, n in sorted(kinds.items()))
 
 
 def forget_history(engine) -> None:
@@ -100,6 +116,10 @@ def main() -> int:
     parser.add_argument("--edit-max-tokens", type=int, default=96,
                         help="code_edit: long enough to reach the rewritten code")
     parser.add_argument("--k-max", type=int, default=6)
+    parser.add_argument("--quantization", default="auto", choices=("auto", "int4", "none"),
+                        help="the target's (auto: int4 on the CPU, as make serve serves it)")
+    parser.add_argument("--draft-vocab-size", type=int, default=32768,
+                        help="the draft's vocabulary subset, as configs/default.yaml (0: all)")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--c1-prompts", type=int, default=4,
                         help="prompts per workload at concurrency 1")
@@ -112,6 +132,9 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     target, tok = load_model(TARGET, dtype="bfloat16")
+    target = apply_quantization(target, args.quantization, str(recipes.model_dir(TARGET)),
+                                what="target")
+    form = describe_linears(target)
     draft, _ = load_model(DRAFT, dtype="bfloat16")
     draft = prepare_draft(draft, "int4", owned=True, source=str(recipes.model_dir(DRAFT)))
     chat = load_prompts(tok, ROOT / "bench/prompts/chat.jsonl")
@@ -133,7 +156,8 @@ def main() -> int:
     rates: dict[tuple[str, str, int], float] = {}
     rows, plain_out, identical = [], {}, {}
     c1 = 2 if args.quick else args.c1_prompts
-    engines = {m: make_engine(m, target, draft, tok, args.k_max) for m in METHODS}
+    engines = {m: make_engine(m, target, draft, tok, args.k_max, args.draft_vocab_size)
+               for m in METHODS}
 
     def measure(method, name, c, rounds_c, params_c):
         engine = engines[method]
@@ -193,8 +217,9 @@ def main() -> int:
         for m, w, c, t, s, r, x, same, acc, upd in rows])
     worst = min(rates["hybrid", w, c] / rates["plain", w, c] for (m, w, c) in rates
                 if m == "hybrid")
-    details = [f"target {TARGET} bf16, draft {DRAFT} with int4 linears, k_max {args.k_max} "
-               f"(draft model), suffix defaults (max 32 drafts), adaptive",
+    details = [f"target {TARGET} ({form}; --quantization {args.quantization}), draft {DRAFT} "
+               f"with int4 linears and a vocabulary of {args.draft_vocab_size or 'all'} tokens, "
+               f"k_max {args.k_max} (draft model), suffix defaults (max 32 drafts), adaptive",
                f"{n} prompts per workload ({c1} at concurrency 1), {max_tokens} new tokens "
                f"each ({edit_tokens} for code_edit), ignore_eos"]
     if only is not None:
