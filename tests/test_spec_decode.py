@@ -435,11 +435,22 @@ def test_realized_rates_turn_speculation_off_where_it_measured_slower():
         r.record(1, True, 3, 1.0)  # one sequence: speculation wins
         r.record(1, False, 1, 1.0)
     # 9 sequences (the class of 8): plain, with bursts of 3 exploring steps at the end of
-    # periods of 16, 32, 64 decisions while speculation stays slower
-    eight = [r.decide(9) for _ in range(16 + 32 + 64)]
+    # periods of 16, 32, 64 decisions while the bursts' steps find speculation still slower
+    eight = []
+    for _ in range(16 + 32 + 64):
+        eight.append(r.decide(9))
+        if eight[-1] == "explore":
+            r.record(9, True, 12, 1.0)
     explored = [i for i, m in enumerate(eight) if m == "explore"]
     assert explored == [13, 14, 15, 45, 46, 47, 109, 110, 111]
     assert eight.count("speculate") == 0
+    # a burst that ran no speculative step (nothing worth drafting) does not lengthen the period
+    quiet = RealizedRates()
+    for _ in range(12):
+        quiet.record(2, True, 1, 1.0)
+        quiet.record(2, False, 2, 1.0)
+    explored = [i for i in range(64) if quiet.decide(2) == "explore"]
+    assert explored == [13, 14, 15, 29, 30, 31, 45, 46, 47, 61, 62, 63]
     one = [r.decide(1) for _ in range(32)]
     assert one.count("speculate") == 31  # one plain step to keep the plain rate current
     # speculation got faster: an exploring burst brings it back
@@ -450,6 +461,20 @@ def test_realized_rates_turn_speculation_off_where_it_measured_slower():
         r.decide(8)
     assert r.rate(8, True) > r.rate(8, False)
     assert [r.decide(8) for _ in range(8)].count("speculate") >= 7  # (a refresh may fall here)
+
+
+def test_without_adaptive_k_the_realized_rates_change_nothing():
+    """adaptive: false drafts k_max every step, whatever speculation realized."""
+    target = build_tiny_model("qwen2")
+    prompts = repetitive_prompts()[:2]
+    engine = make_engine(target, "ngram", k_max=3)
+    for _ in range(16):  # speculation "measured" far slower than plain
+        engine.speculator.realized.record(1, True, 1, 1.0)
+        engine.speculator.realized.record(1, False, 100, 1.0)
+    for p in prompts:
+        engine.generate([p], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    stats = engine.speculator.stats
+    assert stats.num_drafts > 0 and stats.k_chosen_sum / stats.k_chosen_count > 2.5
 
 
 def test_a_realized_rate_weighs_each_step_by_its_time():

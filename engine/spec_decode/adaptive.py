@@ -134,9 +134,9 @@ class RealizedRates:
     for long before there is a plain rate to compare with). Where it lost, steps run "plain",
     with a burst of `explore_burst` "explore" steps at the end of every period to notice when
     that changes; a burst forgets most of the old speculative evidence (`explore_forget`) so
-    that its own steps decide, and each burst that finds speculation still slower doubles the
-    period (`explore_every` up to `max_explore_every`): exploring a losing speculation costs
-    less and less. A rate needs `min_steps` steps (`min_spec_steps` speculative ones: a few
+    that its own steps decide, and each burst whose speculative steps find speculation still
+    slower doubles the period (`explore_every` up to `max_explore_every`): exploring a losing
+    speculation costs less and less. A rate needs `min_steps` steps (`min_spec_steps` speculative ones: a few
     steps that kept none of their drafts must not decide); with `decay` per step of its mode,
     a collapse shows within a few steps.
     """
@@ -153,7 +153,7 @@ class RealizedRates:
     measure_plain_for: int = 32
     _sums: dict[tuple[int, bool], list[float]] = field(default_factory=dict)
     _asked: dict[int, int] = field(default_factory=dict)
-    _off: dict[int, list[int]] = field(default_factory=dict)  # class -> [decisions, period]
+    _off: dict[int, list[int]] = field(default_factory=dict)  # classes where it lost
 
     def record(self, seqs: int, speculative: bool, tokens: int, seconds: float) -> None:
         if seconds <= 0.0 or tokens <= 0:
@@ -181,15 +181,18 @@ class RealizedRates:
         if spec is None or plain is None or spec >= plain:
             self._off.pop(c, None)
             return "plain" if asked % self.refresh_every == 0 else "speculate"
-        off = self._off.setdefault(c, [0, self.explore_every])  # [decision, period]
+        # [decision in the period, period, speculative steps when its burst began]
+        off = self._off.setdefault(c, [0, self.explore_every, 0])
+        sums = self._sums[c, True]
         off[0] += 1
-        if off[0] > off[1]:  # a burst ended and speculation is still slower: explore less often
-            off[0], off[1] = 1, min(2 * off[1], self.max_explore_every)
+        if off[0] > off[1]:  # a burst ended and speculation is still slower
+            learned = sums[2] > off[2]  # (a burst may have run no speculative step)
+            off[0], off[1] = 1, min(2 * off[1], self.max_explore_every) if learned else off[1]
         first = off[1] - self.explore_burst + 1  # the burst: the period's last decisions
         if off[0] == first:  # its own steps decide
-            sums = self._sums[c, True]
             sums[0] *= self.explore_forget
             sums[1] *= self.explore_forget
+            off[2] = sums[2]
         return "explore" if off[0] >= first else "plain"
 
     def saving(self, seqs: int) -> float | None:

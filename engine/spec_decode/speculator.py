@@ -15,6 +15,7 @@ estimate they were chosen on. The `Sequence` only counts its pending drafts
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -39,9 +40,10 @@ from engine.spec_decode.suffix import SuffixCache, SuffixDraft
 # (the bonus token, and the last draft when all were accepted) includes a catch-up
 CATCH_UP_TOKENS = 2
 OUTPUT_ALPHA = 0.1  # weight of a finished request's output length in the running mean
-# where speculation measured slower, an exploring step may catch the draft model up only for
-# at most this share of the time since the last exploration (else it explores without it)
-EXPLORE_SHARE = 0.03
+# a catch-up of the draft model that no measured saving justifies (exploring where speculation
+# measured slower, or where it has not been measured yet) may take at most this share of the
+# time since the last catch-up; the sequences behind otherwise speculate without the draft model
+UNPROVEN_CATCH_UP_SHARE = 0.03
 
 
 @dataclass
@@ -96,22 +98,21 @@ class Speculator(NoSpeculation):
         self._unread: Proposal | None = None  # the last proposal, its forwards not timed yet
         self.realized = RealizedRates()
         self._propose_seconds = 0.0  # the last propose call (paid by the step that verifies)
-        # the last proposal's draft-model catch-up beyond a steady step's: (tokens of its first
-        # forward, tokens beyond CATCH_UP_TOKENS per sequence, drafting sequences)
-        self._catch_up = (0, 0, 0)
+        self._catch_up: list[int] = []  # the last proposal's drafting sequences' backlogs
         self._sample: tuple[int, bool, int, float] | None = None  # the step's, to be timed
         self._mean_output: float | None = None  # output tokens of recently finished requests
-        self._since_explored = 0.0  # seconds of steps since an exploring step last caught up
+        self._since_catch_up = math.inf  # seconds of steps since a draft model catch-up
 
     def drop(self, seqs: list[Sequence], finished: bool) -> None:
         """Forget the speculation of sequences that left the running set (a preempted one is
         recomputed from its committed tokens; a finished one's text joins the suffix cache)."""
         for seq in seqs:
             self._states.pop(seq.request_id, None)
-            if finished:
+            if finished and seq.finish_reason != "abort":
                 n = seq.num_output_tokens
                 self._mean_output = n if self._mean_output is None else \
                     self._mean_output + OUTPUT_ALPHA * (n - self._mean_output)
+            if finished:
                 if self.proposer is not None:
                     self.proposer.forget(seq)
                 if self.suffix is not None:
@@ -128,6 +129,7 @@ class Speculator(NoSpeculation):
     def take(self, seqs: list[Sequence], num_drafts: list[int]) -> Drafts | None:
         """The drafts the step's sequences verify (the first num_drafts[i] of sequence i's
         pending ones: the budget may cut them), taken out of their states; None without any."""
+        self._sample = None  # (a step that failed after `observe` is never timed)
         if not any(num_drafts):
             for seq in seqs:
                 self._clear(self._states.get(seq.request_id))
@@ -168,13 +170,14 @@ class Speculator(NoSpeculation):
         """
         started = time.perf_counter()
         if step_started is not None:
-            self._since_explored += started - step_started
+            self._since_catch_up += started - step_started
         if self._sample is not None and step_started is not None:
             seqs, speculative, emitted, excess = self._sample
             # the step's wall time and the proposal it verified, less the part of that
             # proposal's catch-up a steady run does not pay
-            seconds = started - step_started + self._propose_seconds - excess
-            self.realized.record(seqs, speculative, emitted, seconds)
+            # (on CUDA the estimate may exceed what the wall clock saw of those forwards)
+            seconds = started - step_started + self._propose_seconds
+            self.realized.record(seqs, speculative, emitted, max(seconds - excess, 0.5 * seconds))
         self._sample, self._propose_seconds = None, 0.0
         try:
             self._propose(running, num_joining)
@@ -189,12 +192,16 @@ class Speculator(NoSpeculation):
         if not candidates:
             return
         rooms = [self._room(s) for s in candidates]
+        # (the class of the running batch: what the next step will most likely decode)
+        mode = self.realized.decide(len(running)) if self.config.adaptive else "speculate"
         matches: list[SuffixDraft] | None = None  # suffix proposals: no draft forward needed
         if self.suffix is not None:
             for s in candidates:
                 self.suffix.sync(s)
-            matches = [self.suffix.propose(s, room) for s, room in zip(candidates, rooms)]
-        draft_ks, suffix_ks = self._choose(running, candidates, rooms, num_joining, matches)
+            if mode != "plain":
+                matches = [self.suffix.propose(s, room) for s, room in zip(candidates, rooms)]
+        draft_ks, suffix_ks = self._choose(running, candidates, rooms, num_joining, matches,
+                                           mode)
         for s, k, match in zip(candidates, suffix_ks, matches or []):
             if k:
                 self._set_drafts(s, match.token_ids[:k], None, ("suffix", match.match_length))
@@ -243,10 +250,10 @@ class Speculator(NoSpeculation):
         return AcceptanceStats(accepted, rejections).estimate(prior)
 
     def _choose(self, running: list[Sequence], candidates: list[Sequence], rooms: list[int],
-                num_joining: int, matches: list[SuffixDraft] | None
+                num_joining: int, matches: list[SuffixDraft] | None, mode: str
                 ) -> tuple[list[int], list[int]]:
         """(proposer k, suffix k) per candidate, from the controller, cut to `rooms`: the
-        drafts each sequence has room for."""
+        drafts each sequence has room for; `mode`: RealizedRates.decide's for this step."""
         ctl = self.controller
         prior = ctl.prior_acceptance
         alphas = [self._alpha(s, prior) for s in candidates]
@@ -257,16 +264,18 @@ class Speculator(NoSpeculation):
         pending = num_joining + sum(s.params.speculative and s.num_computed_tokens <
                                     s.num_tokens - 1 for s in running)  # decode soon
         n = len(candidates)
-        mode = self.realized.decide(len(running)) if self.config.adaptive else "speculate"
-        measured = self.realized.saving(len(running)) is not None
-        # a long catch-up is judged by the plan's prediction until speculation's saving here is
-        # measured, then by that (`_invest`); an exploring step pays it where it is cheap
-        excused = measured if mode == "speculate" else (
-            mode == "explore" and self._affordable(backlog, len(running)))
+        measured = self.config.adaptive and not ctl.draft_cost_free \
+            and self.realized.saving(len(running)) is not None
+        # a long catch-up is judged by the plan's prediction (and capped: `_affordable`) until
+        # speculation's saving here is measured, then by that (`_invest`); an exploring step
+        # pays it where it is cheap enough
+        affordable = mode == "plain" or (mode == "speculate" and measured) \
+            or self._affordable(backlog)
+        excused = (mode == "speculate" and measured) or (mode == "explore" and affordable)
         plan_backlog = [min(b, CATCH_UP_TOKENS) for b in backlog] if excused else backlog
         if mode == "plain":  # measured: plain steps are faster here (or being measured)
             draft_ks, suffix_ks = [0] * n, [0] * n
-        elif matches is None:
+        elif self.suffix is None:
             draft_ks = ctl.choose(alphas, other_tokens, plan_backlog, remaining, pending,
                                   len(others))
             suffix_ks = [0] * n
@@ -276,14 +285,15 @@ class Speculator(NoSpeculation):
                 pending, len(others), draft=self.proposer is not None)
         if mode == "speculate" and measured:
             draft_ks = self._invest(draft_ks, backlog, remaining, len(running))
-        elif mode == "explore" and not excused:  # explore where the draft is caught up
+        elif not affordable:  # speculate only where the draft is caught up
             draft_ks = [0 if b > CATCH_UP_TOKENS else k for k, b in zip(draft_ks, backlog)]
+        draft_ks = [min(k, room) for k, room in zip(draft_ks, rooms)]
         drafting = [b for k, b in zip(draft_ks, backlog) if k > 0]
-        self._catch_up = (sum(max(b, 1) for b in drafting),
-                          sum(max(b - CATCH_UP_TOKENS, 0) for b in drafting), len(drafting))
+        if any(b > CATCH_UP_TOKENS for b in drafting):
+            self._since_catch_up = 0.0
+        self._catch_up = drafting
         if not any(draft_ks):  # a step without drafts: old evidence must not keep k at 0 for good
             ctl.decay_evidence()
-        draft_ks = [min(k, room) for k, room in zip(draft_ks, rooms)]
         self.stats.record_choice([max(a, b) for a, b in zip(draft_ks, suffix_ks)])
         for s, a in zip(candidates, alphas):
             self._state(s).acceptance = a
@@ -295,32 +305,34 @@ class Speculator(NoSpeculation):
         emitted while it did not draft) does not pay back over the tokens it is expected to
         emit still, at the saving speculation realized at this batch size. Without a realized
         saving the plan's prediction stands (KController's catch-up charge)."""
-        cost = self.controller.draft_cost
         out = list(draft_ks)
         for i, (k, b) in enumerate(zip(draft_ks, backlog)):
             if k and b > CATCH_UP_TOKENS and self.realized.pays_back(
-                    num_running, remaining[i], cost(b) - cost(1)) is False:
+                    num_running, remaining[i], self._catch_up_seconds([b])) is False:
                 out[i] = 0
         return out
 
-    def _affordable(self, backlog: list[int], num_running: int) -> bool:
-        """Whether an exploring step may catch every drafting sequence's draft up: for at most
-        EXPLORE_SHARE of the time since the last one did (a batch of new prompts is not worth
-        caught up to learn that speculation still loses here)."""
-        cost = self.controller.draft_cost
-        if self.proposer is None or self.controller.draft_cost_free or cost.empty:
-            return True
-        n = len(backlog)
-        extra = cost(sum(max(b, 1) for b in backlog), n) - cost(n, n)
-        if extra > EXPLORE_SHARE * self._since_explored:
-            return False
-        self._since_explored = 0.0
-        return True
+    def _catch_up_seconds(self, backlogs: list[int]) -> float:
+        """What a draft-model forward catching these sequences up costs beyond a steady
+        step's (CATCH_UP_TOKENS each at most), from the draft's cost table."""
+        cost, n = self.controller.draft_cost, len(backlogs)
+        if not n or self.proposer is None or self.controller.draft_cost_free:
+            return 0.0
+        steady = sum(min(max(b, 1), CATCH_UP_TOKENS) for b in backlogs)
+        return max(cost(sum(max(b, 1) for b in backlogs), n) - cost(steady, n), 0.0)
+
+    def _affordable(self, backlog: list[int]) -> bool:
+        """Whether a step may catch the candidates' drafts up (all of them: the plan has not
+        chosen yet) though no measured saving justifies it: for at most
+        UNPROVEN_CATCH_UP_SHARE of the time since the last catch-up (a batch of new prompts at
+        a batch size never measured, or where speculation lost, is not worth catching up at
+        once). The first one ever is free."""
+        return self._catch_up_seconds(backlog) <= UNPROVEN_CATCH_UP_SHARE * self._since_catch_up
 
     def _expected_remaining(self, seq: Sequence, room: int) -> int:
         """Tokens the sequence is expected to emit still: its room, or fewer where recent
-        requests ended sooner (one that outlived their mean is expected to go half as long
-        again)."""
+        requests (not aborted) ended sooner: their mean output length less its own, and at
+        least half that mean (a sequence past half the mean may be a long one)."""
         if self._mean_output is None:
             return room
         mean = self._mean_output
@@ -356,15 +368,12 @@ class Speculator(NoSpeculation):
                 self._record(seq, num_drafted, num_accepted)
             elif seq.request_id in self._states:
                 self._states[seq.request_id].method = None
-        first, excess, batch = self._catch_up
-        self._catch_up = (0, 0, 0)
+        catch_up, self._catch_up = self._catch_up, []
         if seconds is not None and len(verified) == target_seqs \
                 and target_tokens == target_seqs + drafted:
             # a pure decode step: timed when the next proposal starts (see `propose`)
-            cost = self.controller.draft_cost
-            catch_up = (max(cost(first, batch) - cost(first - excess, batch), 0.0)
-                        if excess and drafted else 0.0)
-            self._sample = (target_seqs, drafted > 0, emitted, catch_up)
+            self._sample = (target_seqs, drafted > 0, emitted,
+                            self._catch_up_seconds(catch_up) if drafted else 0.0)
 
     def _record(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
         state = self._state(seq)
