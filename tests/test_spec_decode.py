@@ -463,14 +463,22 @@ def test_realized_rates_turn_speculation_off_where_it_measured_slower():
     assert [r.decide(8) for _ in range(8)].count("speculate") >= 7  # (a refresh may fall here)
 
 
-def test_without_adaptive_k_the_realized_rates_change_nothing():
-    """adaptive: false drafts k_max every step, whatever speculation realized."""
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_without_adaptive_k_the_realized_rates_change_nothing(method):
+    """adaptive: false drafts k_max every step, whatever speculation realized or a catch-up
+    costs (nothing that depends on timing may change the drafts: rejection-verified output
+    must be reproducible)."""
+    from engine.spec_decode.adaptive import CostTable
+
     target = build_tiny_model("qwen2")
     prompts = repetitive_prompts()[:2]
-    engine = make_engine(target, "ngram", k_max=3)
+    engine = make_engine(target, method, target if method == "draft_model" else None, k_max=3)
     for _ in range(16):  # speculation "measured" far slower than plain
         engine.speculator.realized.record(1, True, 1, 1.0)
         engine.speculator.realized.record(1, False, 100, 1.0)
+    table = engine.speculator.controller.draft_cost.table = CostTable(alpha=0.0)
+    table.record(1, 1e-3)
+    table.record(64, 10.0)  # a prompt's catch-up "costs" seconds
     for p in prompts:
         engine.generate([p], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     stats = engine.speculator.stats

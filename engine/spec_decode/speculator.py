@@ -269,8 +269,8 @@ class Speculator(NoSpeculation):
         # a long catch-up is judged by the plan's prediction (and capped: `_affordable`) until
         # speculation's saving here is measured, then by that (`_invest`); an exploring step
         # pays it where it is cheap enough
-        affordable = mode == "plain" or (mode == "speculate" and measured) \
-            or self._affordable(backlog)
+        affordable = not self.config.adaptive or mode == "plain" \
+            or (mode == "speculate" and measured) or self._affordable(backlog)
         excused = (mode == "speculate" and measured) or (mode == "explore" and affordable)
         plan_backlog = [min(b, CATCH_UP_TOKENS) for b in backlog] if excused else backlog
         if mode == "plain":  # measured: plain steps are faster here (or being measured)
