@@ -255,6 +255,12 @@ class Speculator(NoSpeculation):
         """(proposer k, suffix k) per candidate, from the controller, cut to `rooms`: the
         drafts each sequence has room for; `mode`: RealizedRates.decide's for this step."""
         ctl = self.controller
+        n = len(candidates)
+        if mode == "plain":  # measured: plain steps are faster here (or being measured)
+            self._catch_up = []
+            ctl.decay_evidence()  # old evidence must not keep k at 0 for good
+            self.stats.record_choice([0] * n)
+            return [0] * n, [0] * n
         prior = ctl.prior_acceptance
         alphas = [self._alpha(s, prior) for s in candidates]
         others = [s for s in running if s not in candidates]
@@ -263,19 +269,16 @@ class Speculator(NoSpeculation):
         remaining = [self._expected_remaining(s, room) + 1 for s, room in zip(candidates, rooms)]
         pending = num_joining + sum(s.params.speculative and s.num_computed_tokens <
                                     s.num_tokens - 1 for s in running)  # decode soon
-        n = len(candidates)
         measured = self.config.adaptive and not ctl.draft_cost_free \
             and self.realized.saving(len(running)) is not None
         # a long catch-up is judged by the plan's prediction (and capped: `_affordable`) until
         # speculation's saving here is measured, then by that (`_invest`); an exploring step
         # pays it where it is cheap enough
-        affordable = not self.config.adaptive or mode == "plain" \
-            or (mode == "speculate" and measured) or self._affordable(backlog)
+        affordable = not self.config.adaptive or (mode == "speculate" and measured) \
+            or self._affordable(backlog)
         excused = (mode == "speculate" and measured) or (mode == "explore" and affordable)
         plan_backlog = [min(b, CATCH_UP_TOKENS) for b in backlog] if excused else backlog
-        if mode == "plain":  # measured: plain steps are faster here (or being measured)
-            draft_ks, suffix_ks = [0] * n, [0] * n
-        elif self.suffix is None:
+        if self.suffix is None:
             draft_ks = ctl.choose(alphas, other_tokens, plan_backlog, remaining, pending,
                                   len(others))
             suffix_ks = [0] * n
