@@ -4,8 +4,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.specserve-installed
 PYTEST_ARGS ?=
 
-.PHONY: install test serve bench-engine bench-spec bench-methods bench-server bench-llamacpp \
-	wheelhouse gpu-check clean
+.PHONY: install test serve bench-engine bench-spec bench-methods bench-eagle bench-server \
+	bench-llamacpp wheelhouse gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -34,6 +34,15 @@ bench-spec: install
 bench-methods: install
 	$(VENV)/bin/specserve models fetch qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct
 	$(PY) bench/spec_methods.py
+
+# A draft head for the served target (int4 on the CPU), trained once within 60 minutes and
+# cached, then plain / draft model / eagle / hybrid with the head side by side.
+SPECULATOR ?= $(HOME)/.cache/specserve/speculators/qwen2.5-coder-1.5b-instruct-auto
+bench-eagle: install
+	$(VENV)/bin/specserve models fetch qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct
+	test -f $(SPECULATOR)/config.json || $(VENV)/bin/specserve speculator train \
+		--target qwen2.5-coder-1.5b-instruct --out $(SPECULATOR) --minutes 60 --concurrency 32
+	$(PY) bench/spec_methods.py --speculator $(SPECULATOR)
 
 # specserve (bf16, int4, int4 + speculation) against llama.cpp's server on the same GGUF files;
 # builds llama-server once from the llama-cpp-python source package (about 8 minutes).

@@ -3,7 +3,9 @@
 Methods: plain (no speculation), draft_model (the 0.5B draft, adaptive k), ngram (prompt lookup),
 suffix (suffix matches in the sequence's own text and in earlier requests' texts), hybrid
 (per sequence per step, the suffix match or the draft model, whichever the cost model predicts
-pays more). Target and draft as `make serve` serves them by default (`--quantization auto`: int4
+pays more). With `--speculator DIR` (a head from `specserve speculator train`; `make
+bench-eagle`): plain, draft_model, eagle (the head) and hybrid_eagle (suffix matches or the
+head), the per-forward cost of the head against the target's, and an eagle RESULT line. Target and draft as `make serve` serves them by default (`--quantization auto`: int4
 on the CPU from the GGUF's blocks; the draft int4 with a 32,768-token vocabulary);
 `--quantization none` runs the bf16 target. Greedy unless stated.
 
@@ -22,9 +24,10 @@ concurrency) starts with an empty suffix cache and an empty prefix cache, so no 
 by an earlier case's text. Greedy identity: each method's token ids vs plain's.
 
     python bench/spec_methods.py [--quantization auto|int4|none] [--max-tokens 48]
-                                 [--c1-prompts 4] [--quick]
+                                 [--c1-prompts 4] [--quick] [--speculator DIR]
 
-Prints a table, ends with a RESULT line, writes bench/results/spec_methods.md.
+Prints a table, ends with a RESULT line, writes bench/results/spec_methods.md
+(spec_methods_eagle.md with --speculator).
 """
 
 from __future__ import annotations
@@ -53,6 +56,8 @@ from engine.spec_decode.suffix import SuffixCache  # noqa: E402
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
 METHODS = ("plain", "draft_model", "ngram", "suffix", "hybrid")
+# with --speculator: the draft head alone, and hybrid with the head as its model source
+EAGLE_METHODS = ("plain", "draft_model", "eagle", "hybrid_eagle")
 
 
 def load_prompts(tok, path):
@@ -61,14 +66,50 @@ def load_prompts(tok, path):
                                     return_dict=False) for r in rows]
 
 
-def make_engine(method, target, draft, tok, k_max, draft_vocab_size):
-    spec = SpeculativeConfig(method="none" if method == "plain" else method,
+def make_engine(method, target, draft, tok, k_max, draft_vocab_size, speculator=None):
+    heads = method in ("eagle", "hybrid_eagle")
+    spec = SpeculativeConfig(method={"plain": "none", "hybrid_eagle": "hybrid"}.get(method,
+                                                                                   method),
                              draft_model=DRAFT if method in ("draft_model", "hybrid") else None,
+                             speculator=speculator if heads else None,
                              k_max=k_max, adaptive=True, draft_vocab_size=draft_vocab_size)
     uses_draft = method in ("draft_model", "hybrid")
     return LLMEngine(EngineConfig(kv_cache_memory_gb=1.5, max_num_seqs=32,
                                   max_num_batched_tokens=512, speculative=spec),
                      model=target, tokenizer=tok, draft_model=draft if uses_draft else None)
+
+
+def head_vs_target_cost(engine, context: int = 256, repeats: int = 20) -> tuple[float, float]:
+    """Median seconds of one head forward (1 row, as a chained draft step) and of one target
+    decode forward (1 row), both after `context` tokens."""
+    from engine.model_runner import RunItem
+    from engine.sequence import Sequence
+
+    bm, proposer = engine.block_manager, engine.speculator.proposer
+    dummy = Sequence("__cost__", [0] * (context + 1), SamplingParams())
+    assert bm.allocate(dummy, context + 1)
+    item = RunItem([0], context, dummy.block_table, 1, context)
+    try:
+        engine.runner.execute([RunItem([0] * context, 0, dummy.block_table, 1, context)])
+        times = {}
+        for name, run_one in (("head", proposer.execute), ("target", engine.runner.execute)):
+            samples = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                run_one([item]).logits.argmax(-1).tolist()
+                samples.append(time.perf_counter() - t0)
+            times[name] = sorted(samples)[len(samples) // 2]
+    finally:
+        bm.free(dummy)
+    return times["head"], times["target"]
+
+
+def describe_head(path) -> str:
+    report = json.loads((Path(path) / "report.json").read_text())
+    return (f"trained {report.get('train_seconds', 0) / 60:.0f} min on "
+            f"{report['conversations']} answers ({report['training_tokens']} tokens) in "
+            f"{report['minutes']:.0f} min in all; held-out acceptance length by k "
+            f"{[round(a, 2) for a in report['acceptance_length']]}")
 
 
 def describe_linears(model) -> str:
@@ -127,8 +168,17 @@ def main() -> int:
     parser.add_argument("--cases", default=None,
                         help="only these workload:concurrency pairs, e.g. chat:8,chat_t0.7:8 "
                              "(no RESULT line)")
-    parser.add_argument("--out", default=str(ROOT / "bench/results/spec_methods.md"))
+    parser.add_argument("--speculator", default=None,
+                        help="a draft head for the target (specserve speculator train): run "
+                             "plain, draft_model, eagle and hybrid with the head instead")
+    parser.add_argument("--out", default=None,
+                        help="results file (default bench/results/spec_methods.md, "
+                             "spec_methods_eagle.md with --speculator)")
     args = parser.parse_args()
+    default_out = str(ROOT / "bench/results" / ("spec_methods_eagle.md" if args.speculator
+                                                else "spec_methods.md"))
+    args.out = args.out or default_out
+    methods_run = EAGLE_METHODS if args.speculator else METHODS
     if args.threads:
         torch.set_num_threads(args.threads)
     target, tok = load_model(TARGET, dtype="bfloat16")
@@ -154,17 +204,26 @@ def main() -> int:
         "chat_t0.7": ([chat], sampled, (1, 8)),
     }
     rates: dict[tuple[str, str, int], float] = {}
+    # (engine's method, proposing method, workload, concurrency) -> tokens per verification
+    accept_len: dict[tuple[str, str, str, int], float] = {}
     rows, plain_out, identical = [], {}, {}
     c1 = 2 if args.quick else args.c1_prompts
-    engines = {m: make_engine(m, target, draft, tok, args.k_max, args.draft_vocab_size)
-               for m in METHODS}
+    engines = {m: make_engine(m, target, draft, tok, args.k_max, args.draft_vocab_size,
+                              args.speculator) for m in methods_run}
+    hybrid = methods_run[-1]
 
     def measure(method, name, c, rounds_c, params_c):
         engine = engines[method]
         forget_history(engine)
         st = engine.speculator.stats
         before = {m: list(v) for m, v in (st.by_method.items() if st else [])}
+        verifications = dict((m, v[0]) for m, v in (st.by_method.items() if st else []))
         outs, tokens, seconds = run(engine, rounds_c, params_c, min(c, n * 2))
+        for m, v in (st.by_method.items() if st else []):
+            done = v[0] - verifications.get(m, 0)
+            if done:  # tokens per verification of this method's drafts
+                b = before.get(m, [0, 0, 0])
+                accept_len[method, m, name, c] = 1.0 + (v[2] - b[2]) / done
         by = {}
         for m, (_, d, a) in (st.by_method.items() if st else []):
             b = before.get(m, [0, 0, 0])
@@ -185,7 +244,7 @@ def main() -> int:
                 params_c = params[:c1] if isinstance(params, list) else params
             else:
                 rounds_c, params_c = rounds, params
-            methods = ("plain", "hybrid") if c == 16 else METHODS
+            methods = ("plain", hybrid) if c == 16 else methods_run
             # plain runs first and last: its rate is their mean, so a slow drift of this
             # machine's speed during the case does not favour either side
             results = {m: measure(m, name, c, rounds_c, params_c) for m in methods}
@@ -215,8 +274,8 @@ def main() -> int:
     table = "\n".join([header, "|" + "---|" * 10] + [
         f"| {m} | {w} | {c} | {t} | {s:.1f} | {r:.2f} | {x:.2f} | {same} | {acc} | {upd} |"
         for m, w, c, t, s, r, x, same, acc, upd in rows])
-    worst = min(rates["hybrid", w, c] / rates["plain", w, c] for (m, w, c) in rates
-                if m == "hybrid")
+    worst = min(rates[hybrid, w, c] / rates["plain", w, c] for (m, w, c) in rates
+                if m == hybrid)
     details = [f"target {TARGET} ({form}; --quantization {args.quantization}), draft {DRAFT} "
                f"with int4 linears and a vocabulary of {args.draft_vocab_size or 'all'} tokens, "
                f"k_max {args.k_max} (draft model), suffix defaults (max 32 drafts), adaptive",
@@ -225,21 +284,34 @@ def main() -> int:
     if only is not None:
         print(table)
         print(f"worst hybrid / plain over these cases: {worst:.2f}")
-        if args.out != parser.get_default("out"):
+        if args.out != default_out:
             write_results(args.out, f"Speculation methods, cases {args.cases}",
                           torch.get_num_threads(), details, table,
                           f"worst_hybrid_vs_plain={worst:.2f} (these cases only)")
         return 0
-    result = (f"RESULT code_edit_hybrid={rates['hybrid', 'code_edit', 1] / rates['plain', 'code_edit', 1]:.2f} "
-              f"repeated_hybrid={rates['hybrid', 'repeated', 1] / rates['plain', 'repeated', 1]:.2f} "
-              f"chat_hybrid_vs_draft={rates['hybrid', 'chat', 1] / rates['draft_model', 'chat', 1]:.2f} "
-              f"worst_hybrid_vs_plain={worst:.2f}")
+    if args.speculator:
+        head_cost = head_vs_target_cost(engines["eagle"])
+        eagle_stats = accept_len["eagle", "eagle", "chat", 1]
+        details.append(f"speculator {args.speculator}: {describe_head(args.speculator)}; one "
+                       f"head forward (1 row) {1e3 * head_cost[0]:.1f} ms, one target decode "
+                       f"forward {1e3 * head_cost[1]:.1f} ms")
+        result = (f"RESULT eagle_chat_vs_plain={rates['eagle', 'chat', 1] / rates['plain', 'chat', 1]:.2f} "
+                  f"eagle_vs_draft_chat={rates['eagle', 'chat', 1] / rates['draft_model', 'chat', 1]:.2f} "
+                  f"hybrid_code_edit={rates[hybrid, 'code_edit', 1] / rates['plain', 'code_edit', 1]:.2f} "
+                  f"eagle_head_cost={head_cost[0] / head_cost[1]:.3f} "
+                  f"eagle_accept_len={eagle_stats:.2f} "
+                  f"worst_hybrid_vs_plain={worst:.2f}")
+    else:
+        result = (f"RESULT code_edit_hybrid={rates['hybrid', 'code_edit', 1] / rates['plain', 'code_edit', 1]:.2f} "
+                  f"repeated_hybrid={rates['hybrid', 'repeated', 1] / rates['plain', 'repeated', 1]:.2f} "
+                  f"chat_hybrid_vs_draft={rates['hybrid', 'chat', 1] / rates['draft_model', 'chat', 1]:.2f} "
+                  f"worst_hybrid_vs_plain={worst:.2f}")
     print(table)
     print(result)
     not_same = {k: v for k, v in identical.items() if v.split("/")[0] != v.split("/")[1]}
     details.append(f"greedy outputs that differ from plain: {not_same or 'none'}")
     if not args.quick:
-        write_results(args.out, "Speculation methods: plain, draft model, n-gram, suffix, hybrid",
+        write_results(args.out, "Speculation methods: " + ", ".join(methods_run),
                       torch.get_num_threads(), details, table, result)
     return 0
 

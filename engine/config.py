@@ -4,17 +4,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-SPEC_METHODS = ("none", "draft_model", "ngram", "suffix", "hybrid")
+SPEC_METHODS = ("none", "draft_model", "eagle", "ngram", "suffix", "hybrid")
 QUANTIZATION_MODES = ("none", "int8", "int4", "auto")
 INT4_KERNELS = ("auto", "vnni", "torch")  # engine/kernels/quant_linear.py
 
 
 @dataclass
 class SpeculativeConfig:
-    # hybrid: per sequence per step, a suffix match or the draft model, whichever the cost
-    # model predicts pays most | suffix | draft_model | ngram (prompt lookup) | none
+    # hybrid: per sequence per step, a suffix match or the model source (the draft model, or
+    # the draft head `speculator` when set), whichever the cost model predicts pays most |
+    # suffix | draft_model | eagle (a draft head trained from the target: `speculator`) |
+    # ngram (prompt lookup) | none
     method: str = "none"
     draft_model: str | None = None  # recipe name, folder or hub id (draft_model, hybrid)
+    # eagle (and hybrid): the folder of a head trained for the served target
+    # (`specserve speculator train`)
+    speculator: str | None = None
     draft_dtype: str | None = None  # defaults to the target's dtype; exactness does not need it
     draft_gguf_file: str | None = None
     # none | int8 | int4 | auto, as engine.quantization (engine/models/quantize.py); the
@@ -65,9 +70,20 @@ class SpeculativeConfig:
             raise ValueError(f"invalid speculative config draft_vocab_size: "
                              f"{self.draft_vocab_size!r}, must be >= 0 (0: the whole "
                              f"vocabulary)")
-        if self.method in ("draft_model", "hybrid") and not self.draft_model:
-            raise ValueError(f"invalid speculative config draft_model: method {self.method} "
+        if self.method == "draft_model" and not self.draft_model:
+            raise ValueError("invalid speculative config draft_model: method draft_model "
                              "needs a draft model")
+        if self.method == "hybrid" and not (self.draft_model or self.speculator):
+            raise ValueError("invalid speculative config draft_model: method hybrid needs a "
+                             "draft model or a speculator (a draft head) besides suffix "
+                             "matches")
+        if self.method == "hybrid" and self.draft_model and self.speculator:
+            raise ValueError("invalid speculative config speculator: method hybrid combines "
+                             "suffix matches with one model source, a draft model or a "
+                             "speculator; set one of draft_model and speculator")
+        if self.method == "eagle" and not self.speculator:
+            raise ValueError("invalid speculative config speculator: method eagle needs a "
+                             "speculator folder (train one with `specserve speculator train`)")
         if not isinstance(self.suffix_cache_tokens, int) or self.suffix_cache_tokens < 0:
             raise ValueError("invalid speculative config suffix_cache_tokens: must be >= 0")
         if not isinstance(self.suffix_max_spec_tokens, int) \
@@ -88,7 +104,15 @@ class SpeculativeConfig:
 
     @property
     def uses_draft_model(self) -> bool:
-        return self.enabled and self.method in ("draft_model", "hybrid")
+        return self.enabled and (self.method == "draft_model"
+                                 or (self.method == "hybrid" and not self.speculator))
+
+    @property
+    def uses_head(self) -> bool:
+        """A draft head reading the target's hidden states (engine/spec_decode/eagle.py):
+        eagle, or hybrid with a speculator."""
+        return self.enabled and (self.method == "eagle"
+                                 or (self.method == "hybrid" and bool(self.speculator)))
 
 
 @dataclass

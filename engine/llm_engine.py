@@ -22,7 +22,7 @@ from engine.config import EngineConfig
 from engine.errors import InvalidRequestError, StepError
 from engine.model_runner import RunItem
 from engine.models.draft import draft_vocabulary
-from engine.models.pair import eos_token_ids, load_models
+from engine.models.pair import eos_token_ids, load_models, load_speculator
 from engine.outputs import RequestOutput, request_output
 from engine.request_check import check_request
 from engine.runner_plan import RunnerPlan
@@ -58,6 +58,9 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.block_size,
                                           config.enable_prefix_caching)
         self.max_model_len = memory_plan.max_model_len(config, model, num_blocks)
+        head = load_speculator(config, model)  # a draft head reads the target's hidden states
+        if head is not None:
+            self.runner.enable_capture(head.config.layers)
         plan.enable_static_steps(self.runner, self.max_model_len)
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_batched_tokens=config.max_num_batched_tokens,
@@ -76,7 +79,7 @@ class LLMEngine:
         self.speculator = build_speculator(
             config, plan, self.runner, self.block_manager, draft_model, tokenizer_size,
             self.max_model_len, draft_vocabulary(tokenizer, config.speculative.draft_vocab_size,
-                             tokenizer_size or self.vocab_size))
+                             tokenizer_size or self.vocab_size), head)
         self._grammars: Grammars | None = None  # built with the first grammar request
         self.num_grammar_requests = 0
 
@@ -192,6 +195,9 @@ class LLMEngine:
         step_logits = self.runner.execute(
             [RunItem(s.token_ids, s.start, s.seq.block_table, s.num_sample_rows,
                      s.seq.num_prompt_tokens) for s in out.scheduled], drafts)
+        self.speculator.keep_features(
+            [(s.seq, s.start, len(s.token_ids) + s.num_drafts) for s in out.scheduled],
+            step_logits)
         verified = self.verifier.verify(seqs, step_logits.logits, step_logits.row_offsets,
                                         drafts, masks)
         # a step without rows reads nothing back: on CUDA its time is then unknown

@@ -112,6 +112,9 @@ def input_ids(items: list[RunItem], drafts: Drafts | None, device: torch.device,
 class StepLogits:
     logits: torch.Tensor  # [num_rows, vocab_size] float32, raw model logits
     row_offsets: list[int]  # items[i] owns rows row_offsets[i] : row_offsets[i + 1]
+    # with `ModelRunner.capture`: [new tokens, features] the captured layers' outputs at every
+    # new token, in item order (item i's token ids, then its drafts)
+    hidden: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -160,6 +163,22 @@ class ModelRunner:
         self._attention_checked = False
         # the model's forward without transformers' module wrappers (same bits), where known
         self.lean = lean_forward.supported(model)
+        self.capture: tuple[int, ...] = ()  # layers whose outputs each forward returns
+
+    def enable_capture(self, layers: list[int]) -> None:
+        """Return the outputs of `layers` at every new token with each step's logits (a draft
+        head's features), from the same forward. Before static steps are enabled."""
+        if not self.lean:
+            raise ValueError(f"a draft head needs the target's hidden states, which this "
+                             f"engine reads from Qwen2 and Llama models only (not "
+                             f"{type(self.model).__name__})")
+        if self.static is not None:
+            raise RuntimeError("enable_capture must come before static steps are enabled")
+        bad = [i for i in layers if not 0 <= i < self.shape.num_layers]
+        if bad:
+            raise ValueError(f"layers {bad} are not layers of a {self.shape.num_layers}-layer "
+                             f"model")
+        self.capture = tuple(layers)
 
     def _backend(self, attention_kv_split: int) -> paged.AttentionBackend:
         """The attention backend `attention_backend` names: Triton, or SDPA with batch
@@ -199,12 +218,17 @@ class ModelRunner:
                 self.static.warm_up()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor,
-                meta: paged.AttentionMetadata) -> torch.Tensor:
+                meta: paged.AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One forward over prepared inputs ([1, T] ids and positions, rows to keep); returns
-        the model's logits [1, len(keep), V]."""
+        the model's logits [1, len(keep), V] and, with `capture`, the captured layers' outputs
+        [T, features] (else None)."""
         calls = self.kv.layer_calls
+        hidden = None
         with self.kv.step(meta):
-            if self.lean:
+            if self.capture:
+                logits, hidden = lean_forward.forward(self.model, input_ids, positions, keep,
+                                                      self.capture)
+            elif self.lean:
                 logits = lean_forward.forward(self.model, input_ids, positions, keep)
             else:
                 logits = self.model(input_ids=input_ids, position_ids=positions,
@@ -221,14 +245,13 @@ class ModelRunner:
                     f"{transformers.__version__}): its attention does not run through the KV "
                     "cache, and its outputs would be wrong")
             self._attention_checked = True
-        return logits
+        return logits, hidden
 
     @torch.inference_mode()
     def execute(self, items: list[RunItem], drafts: Drafts | None = None) -> StepLogits:
         """drafts: the draft tokens that follow each item's token ids (None: none)."""
         if self.static is not None and self.static.fits(items, drafts):
-            logits, row_offsets = self.static.execute(items, drafts)
-            return StepLogits(logits, row_offsets)
+            return StepLogits(*self.static.execute(items, drafts))
         positions, slot_mapping, keep, row_offsets = [], [], [], [0]
         spans = []
         bs, q_start = self.block_size, 0
@@ -241,7 +264,8 @@ class ModelRunner:
             row_offsets.append(row_offsets[-1] + item.num_rows)
             q_start += n
         dev, long = self.device, torch.long
-        logits = self.forward(input_ids(items, drafts, dev), to_device([positions], long, dev),
-                              to_device(keep, long, dev),
-                              self.kv.backend.build_metadata(spans, slot_mapping, bs, dev))
-        return StepLogits(logits[0].float(), row_offsets)
+        logits, hidden = self.forward(
+            input_ids(items, drafts, dev), to_device([positions], long, dev),
+            to_device(keep, long, dev), self.kv.backend.build_metadata(spans, slot_mapping, bs,
+                                                                        dev))
+        return StepLogits(logits[0].float(), row_offsets, hidden)

@@ -67,6 +67,7 @@ class StaticSteps:
         self.kv_split = runner.kv.backend.kv_split  # split-KV: every row may be a partial
         self.pool = None  # the graphs' shared memory pool
         self.out: torch.Tensor | None = None  # [max S*Q, V] every bucket's logits (shared)
+        self.hidden_out: torch.Tensor | None = None  # [max S*Q, F] captured layers (shared)
         self.num_replays = 0
         self.num_static = 0
 
@@ -114,11 +115,18 @@ class StaticSteps:
 
     def _run(self, b: Bucket) -> None:
         """The forward of `b`, its logits copied into the shared output's first S*Q rows."""
-        logits = self.runner.forward(b.input_ids, b.positions, b.keep, b.meta)[0]
+        logits, hidden = self.runner.forward(b.input_ids, b.positions, b.keep, b.meta)
+        logits = logits[0]
+        rows = self.max_seqs * self.tokens_per_seq
         if self.out is None:  # at the first forward, a warm-up (never inside a capture)
-            self.out = torch.empty((self.max_seqs * self.tokens_per_seq, logits.shape[-1]),
-                                   dtype=logits.dtype, device=logits.device)
+            self.out = torch.empty((rows, logits.shape[-1]), dtype=logits.dtype,
+                                   device=logits.device)
+            if hidden is not None:
+                self.hidden_out = torch.empty((rows, hidden.shape[-1]), dtype=hidden.dtype,
+                                              device=hidden.device)
         self.out[:logits.shape[0]].copy_(logits)
+        if hidden is not None:
+            self.hidden_out[:hidden.shape[0]].copy_(hidden)
 
     def _capture(self, b: Bucket) -> None:
         """Warm up on a side stream, then capture; a bucket that cannot be captured keeps
@@ -147,9 +155,11 @@ class StaticSteps:
             for tokens in range(self.tokens_per_seq, 0, -1):
                 self._bucket(size, tokens)
 
-    def execute(self, items, drafts=None) -> tuple[torch.Tensor, list[int]]:
+    def execute(self, items, drafts=None
+                ) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
         """Run `items` (and the `Drafts` after their token ids) in their bucket; returns
-        (logits [rows wanted, V], row offsets)."""
+        (logits [rows wanted, V], row offsets, the captured layers at the new tokens in item
+        order or None)."""
         lengths = num_new_tokens(items, drafts)
         b = self._bucket(len(items), max(lengths))
         bs, rows = self.runner.block_size, b.seqs * b.tokens
@@ -160,9 +170,10 @@ class StaticSteps:
         tables = np.zeros((b.seqs, self.width), dtype=np.int32)
         part_of_row = np.full(rows, -1, dtype=np.int32)
         part_splits = np.zeros(rows, dtype=np.int32)
-        wanted, offsets = [], [0]
+        wanted, offsets, real = [], [0], []
         for i, (it, n) in enumerate(zip(items, lengths)):
             lo = i * b.tokens
+            real += range(lo, lo + n)
             p = np.arange(it.start, it.start + n)
             table = np.asarray(it.block_table[:-(-(it.start + n) // bs)], dtype=np.int64)
             pos[lo:lo + n] = p
@@ -191,4 +202,7 @@ class StaticSteps:
             self._run(b)
         self.num_static += 1
         index = to_device(wanted, torch.long, self.runner.device)
-        return self.out[index].float(), offsets  # a copy: the next step overwrites `out`
+        hidden = None if self.hidden_out is None else \
+            self.hidden_out[to_device(real, torch.long, self.runner.device)]
+        # copies: the next step overwrites the shared outputs
+        return self.out[index].float(), offsets, hidden

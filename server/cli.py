@@ -49,6 +49,7 @@ def _serve(args: argparse.Namespace) -> int:
         "int4_kernel": args.int4_kernel}.items()
         if v is not None}
     spec = {k: v for k, v in {"method": args.speculative, "draft_model": args.draft_model,
+                              "speculator": args.speculator,
                               "k_max": args.k_max,
                               "draft_quantization": args.draft_quantization,
                               "draft_vocab_size": args.draft_vocab_size}.items()
@@ -71,7 +72,7 @@ def _fetch_missing(engine_config) -> None:
     from engine.models.recipes import RECIPES, FetchError, fetch, is_fetched
 
     names = [engine_config.model]
-    if engine_config.speculative.method in ("draft_model", "hybrid"):
+    if engine_config.speculative.uses_draft_model:
         names.append(engine_config.speculative.draft_model)
     for name in names:
         if name in RECIPES and not is_fetched(name, engine_config.model_cache_dir):
@@ -79,6 +80,66 @@ def _fetch_missing(engine_config) -> None:
                 fetch(name, root=engine_config.model_cache_dir)
             except FetchError as exc:
                 raise ValueError(str(exc)) from None
+
+
+def _speculator_train(args: argparse.Namespace) -> int:
+    from engine.spec_decode.eagle_train import TrainOptions, format_report, train
+
+    opts = TrainOptions(
+        target=args.target, out=args.out, prompts=args.prompts, text=args.text,
+        minutes=args.minutes, max_new_tokens=args.max_new_tokens,
+        concurrency=args.concurrency, quantization=args.quantization, dtype=args.dtype,
+        device=args.device, draft_vocab_size=args.draft_vocab_size, ttt_steps=args.ttt_steps,
+        lr=args.lr, feature_loss=args.feature_loss, epochs=args.epochs,
+        model_cache_dir=args.cache_dir,
+        progress=not args.no_progress)
+    try:
+        report = train(opts)
+    except (ValueError, OSError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(format_report(report))
+    print(f"saved {args.out}; serve it with speculative.method eagle, speculative.speculator "
+          f"{args.out}")
+    return 0
+
+
+def _add_speculator(sub) -> None:
+    spec = sub.add_parser("speculator", help="draft heads trained from the target (EAGLE)")
+    ssub = spec.add_subparsers(dest="speculator_command", required=True)
+    tr = ssub.add_parser(
+        "train", help="train a draft head for a target on its own answers",
+        description="Generates the target's answers to prompts (self-distillation), trains an "
+                    "EAGLE-style head on them within --minutes, and saves it with a report. "
+                    "Rerunning the same command resumes from the data and checkpoint in OUT.")
+    tr.add_argument("--target", required=True, help="recipe name, local folder or hub id")
+    tr.add_argument("--out", required=True, help="the head's folder (data, checkpoints)")
+    tr.add_argument("--prompts", help="chat JSONL ({\"messages\": [...]} or {\"prompt\": ...} "
+                                      "per line); default: the built-in coding and prose set")
+    tr.add_argument("--text", help="a folder of text files (source code, docs) for teacher "
+                                   "forcing as well")
+    tr.add_argument("--minutes", type=float, default=60.0,
+                    help="the whole budget: answers, training and report (default 60)")
+    tr.add_argument("--max-new-tokens", type=int, default=256)
+    tr.add_argument("--concurrency", type=int, default=16,
+                    help="requests the engine answers at once")
+    tr.add_argument("--quantization", choices=list(QUANTIZATION_MODES), default="auto",
+                    help="the target's form: train on the one you serve (default auto)")
+    tr.add_argument("--dtype", default="bfloat16")
+    tr.add_argument("--device", default="auto")
+    tr.add_argument("--draft-vocab-size", type=int, default=32768,
+                    help="the head scores this many tokens (0: the whole vocabulary)")
+    tr.add_argument("--ttt-steps", type=int, default=3,
+                    help="training-time-test steps (drafts the head learns to chain)")
+    tr.add_argument("--lr", type=float, default=3e-4)
+    tr.add_argument("--epochs", type=float,
+                    help="stop after this many passes over the data (default: train until "
+                         "the budget ends)")
+    tr.add_argument("--feature-loss", type=float, default=0.0,
+                    help="weight of EAGLE's feature regression (0: off)")
+    tr.add_argument("--cache-dir", default=None, help="where recipes live")
+    tr.add_argument("--no-progress", action="store_true", help="no progress bars")
+    tr.set_defaults(func=_speculator_train)
 
 
 def _bench_client() -> ModuleType | None:
@@ -167,9 +228,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="CPU kernel of int4 linears: vnni (AVX-512 VNNI, int8 activations "
                           "as llama.cpp), torch (activations as they are), auto (vnni where "
                           "the CPU has it)")
-    srv.add_argument("--speculative", choices=["none", "draft_model", "ngram", "suffix",
-                                                     "hybrid"], help="speculation method")
+    srv.add_argument("--speculative", choices=["none", "draft_model", "eagle", "ngram",
+                                                     "suffix", "hybrid"],
+                     help="speculation method")
     srv.add_argument("--draft-model", help="draft model for --speculative draft_model/hybrid")
+    srv.add_argument("--speculator", help="a draft head's folder for --speculative eagle")
     srv.add_argument("--k-max", type=int, help="most draft tokens per step (0..16)")
     srv.add_argument("--max-waiting-requests", type=int,
                      help="queue length beyond which requests get 429")
@@ -181,6 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--fetch-missing", action="store_true",
                      help="first fetch recipe-named models that are not converted yet")
     srv.set_defaults(func=_serve)
+
+    _add_speculator(sub)
 
     bench = sub.add_parser("bench", help="benchmarks")
     _add_bench_serve(bench.add_subparsers(dest="bench_command", required=True))

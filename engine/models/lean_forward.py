@@ -37,14 +37,18 @@ def _rotary(model_class: str):
 
 
 def forward(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
-            keep: torch.Tensor) -> torch.Tensor:
-    """Logits [1, len(keep), V] of a paged forward (the runner has made its cache active)."""
+            keep: torch.Tensor, capture: tuple[int, ...] = ()
+            ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Logits [1, len(keep), V] of a paged forward (the runner has made its cache active);
+    with `capture` (layer indices) also the outputs of those layers at every row,
+    concatenated: [T, len(capture) * hidden] (what a draft head reads)."""
     apply_rotary = _rotary(type(model).__name__)
     inner = model.model
     h = inner.embed_tokens.forward(input_ids)
     cos, sin = inner.rotary_emb.forward(h, position_ids)
     tokens = input_ids.shape[1]
-    for layer in inner.layers[:model.config.num_hidden_layers]:
+    captured: dict[int, torch.Tensor] = {}
+    for index, layer in enumerate(inner.layers[:model.config.num_hidden_layers]):
         attn, mlp = layer.self_attn, layer.mlp
         x = layer.input_layernorm.forward(h)
         shape = (1, tokens, -1, attn.head_dim)
@@ -57,5 +61,10 @@ def forward(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch
         x = layer.post_attention_layernorm.forward(h)
         h = h + mlp.down_proj.forward(mlp.act_fn(mlp.gate_proj.forward(x))
                                       * mlp.up_proj.forward(x))
+        if index in capture:
+            captured[index] = h[0]
     h = inner.norm.forward(h)
-    return model.lm_head.forward(h[:, keep, :])
+    logits = model.lm_head.forward(h[:, keep, :])
+    if capture:
+        return logits, torch.cat([captured[i] for i in capture], dim=-1)
+    return logits

@@ -46,6 +46,17 @@ def _draft_model(config: EngineConfig, target: torch.nn.Module,
                          private=speculative.draft_vocab_size > 0)
 
 
+def load_speculator(config: EngineConfig, target: torch.nn.Module):
+    """The draft head `speculative.speculator` names, checked against the target (a clear
+    error naming the option when it is missing, corrupt or for another target), or None."""
+    if not config.speculative.uses_head:
+        return None
+    from engine.spec_decode.eagle import load_head
+
+    weight = target.get_input_embeddings().weight
+    return load_head(config.speculative.speculator, target, weight.dtype, weight.device)
+
+
 def eos_token_ids(model: torch.nn.Module, tokenizer) -> set[int]:
     """The model's end-of-sequence ids: its generation config's and its tokenizer's."""
     ids: set[int] = set()

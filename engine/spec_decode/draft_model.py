@@ -83,11 +83,8 @@ class DraftModelProposer(Proposer):
         self.vocabulary = None if vocabulary is None else vocabulary.to(self.device)
         self.stop_confidence = stop_confidence
         self.defer_reads = self.device.type == "cuda" if defer_reads is None else defer_reads
-        self.coupled = coupled  # seeded requests are verified by the target's keyed pick
-        # unseeded requests draft from the engine seed's stream, apart from the verifier's;
-        # seeded ones with the noise key their rows carry
-        self.generator = torch.Generator(device=self.device).manual_seed(seed + 1)
-        self.settings = sampler.SettingsCache()
+        self.sampler = DraftSampler(target_vocab_size, self.device, seed, coupled,
+                                    stop_confidence)
 
     def _reserve(self, seq: Sequence, k: int) -> int:
         """Reserve the slots the draft writes (positions up to num_tokens + k - 2); shrink k
@@ -111,8 +108,7 @@ class DraftModelProposer(Proposer):
         return out
 
     def _row(self, seq: Sequence, drafts: list[int] | int) -> sampler.RowSpec:
-        """The draft's row after `drafts` (their number when they stay on the device)."""
-        return row_spec(seq, drafts, draft_stream(self.coupled))
+        return self.sampler.row(seq, drafts)
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], ks: list[int]) -> Proposal:
@@ -137,7 +133,7 @@ class DraftModelProposer(Proposer):
             start = marks.mark()
             logits = self._to_target_vocab(self.runner.execute(
                 items, None if ids is None else Drafts.on_device(ids)).logits)
-            sampled, q, confident = self._draft_token(
+            sampled, q, confident = self.sampler.draft_token(
                 logits, specs, any(ks[i] > step + 1 for i in active))
             forward = _Forward(active, sampled, q, confident,
                                sum(len(item.token_ids) for item in items), start, marks.mark())
@@ -213,9 +209,44 @@ class DraftModelProposer(Proposer):
         return Proposal(drafts, [torch.stack(p) if len(p) == len(d) and p else None
                                  for p, d in zip(probs, drafts)], self._timings(forwards), marks)
 
-    def _draft_token(self, logits: torch.Tensor, row_specs: list[sampler.RowSpec],
-                     more_wanted: bool
-                     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+
+@dataclass
+class _Forward:
+    """One draft forward of `propose`, its results still on the device."""
+
+    active: list[int]  # the sequences (indices into propose's seqs) it drafted for, in row order
+    sampled: torch.Tensor  # [n] the token drafted for each
+    q: torch.Tensor | None  # [n, V] their draft probabilities, when needed
+    confident: torch.Tensor | None  # [n] bool: the draft may go on after this token
+    num_tokens: int  # tokens the forward ran
+    start: object  # device_io.Marks of its start and end
+    end: object
+    host: tuple[list[int], list[bool] | None] | None = None  # (sampled, confident), once read
+
+
+class DraftSampler:
+    """How a proposer samples its drafts: from q = its processed distribution over the
+    target's vocabulary (the same `process_logits` settings the verifier applies), with the
+    noise `engine/sample/row_spec.py` gives each row; q kept where rejection sampling reads
+    it; the confidence stop."""
+
+    def __init__(self, target_vocab_size: int, device: torch.device, seed: int, coupled: bool,
+                 stop_confidence: float = 0.0) -> None:
+        self.target_vocab_size = target_vocab_size
+        self.device = device
+        self.coupled = coupled  # seeded requests are verified by the target's keyed pick
+        self.stop_confidence = stop_confidence
+        # unseeded requests draft from the engine seed's stream, apart from the verifier's;
+        # seeded ones with the noise key their rows carry
+        self.generator = torch.Generator(device=device).manual_seed(seed + 1)
+        self.settings = sampler.SettingsCache()
+
+    def row(self, seq: Sequence, drafts: list[int] | int) -> sampler.RowSpec:
+        """The draft's row after `drafts` (their number when they stay on the device)."""
+        return row_spec(seq, drafts, draft_stream(self.coupled))
+
+    def draft_token(self, logits: torch.Tensor, row_specs: list[sampler.RowSpec],
+                    more_wanted: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """From one draft forward's logits ([n, V]), on the device: the next draft token per
         row, q ([n, V], None when no row needs it) and whether each row may go on drafting (the
         confidence stop; None when off or not `more_wanted`)."""
@@ -233,17 +264,3 @@ class DraftModelProposer(Proposer):
             conf = torch.exp(chosen - torch.logsumexp(processed, dim=-1))
             confident = conf >= self.stop_confidence
         return sampled, q, confident
-
-
-@dataclass
-class _Forward:
-    """One draft forward of `propose`, its results still on the device."""
-
-    active: list[int]  # the sequences (indices into propose's seqs) it drafted for, in row order
-    sampled: torch.Tensor  # [n] the token drafted for each
-    q: torch.Tensor | None  # [n, V] their draft probabilities, when needed
-    confident: torch.Tensor | None  # [n] bool: the draft may go on after this token
-    num_tokens: int  # tokens the forward ran
-    start: object  # device_io.Marks of its start and end
-    end: object
-    host: tuple[list[int], list[bool] | None] | None = None  # (sampled, confident), once read

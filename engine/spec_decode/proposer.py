@@ -53,3 +53,11 @@ class Proposer(ABC):
 
     def forget(self, seq: Sequence) -> None:
         """The sequence left the running set (finished or preempted): forget per-sequence state."""
+
+    def keep_features(self, entries: list[tuple[Sequence, int, int]],
+                      hidden: torch.Tensor) -> None:
+        """The target's hidden states of its last pass (proposers that read them: a head)."""
+
+    def absorb(self, seqs: list[Sequence]) -> None:
+        """Sequences that draft nothing this step: a proposer that follows every sequence's
+        tokens (a head's KV) may catch up on them."""

@@ -24,13 +24,15 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, SpeculativeConfig
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, StepLogits
 from engine.runner_plan import RunnerPlan
 from engine.sequence import Sequence
 from engine.spec_decode.adaptive import AcceptanceStats, KController, RealizedRates
 from engine.spec_decode.calibration import calibrate
 from engine.spec_decode.draft_model import DraftModelProposer
 from engine.spec_decode.drafts import Drafts
+from engine.spec_decode.eagle import EagleHead
+from engine.spec_decode.eagle_proposer import EagleProposer
 from engine.spec_decode.ngram import NgramProposer
 from engine.spec_decode.proposer import Proposal, Proposer
 from engine.spec_decode.stats import SpecDecodeStats
@@ -77,6 +79,10 @@ class NoSpeculation:
                 step_started: float | None = None) -> None:
         pass
 
+    def keep_features(self, entries: list[tuple[Sequence, int, int]],
+                      step: StepLogits) -> None:
+        pass
+
 
 class Speculator(NoSpeculation):
     enabled = True
@@ -87,7 +93,8 @@ class Speculator(NoSpeculation):
         self.config = config
         self.proposer = proposer  # the draft model or prompt lookup; None: suffix only
         self.suffix = suffix  # suffix and hybrid
-        self.method = "ngram" if config.method == "ngram" else "draft_model"  # the proposer's
+        self.method = ("eagle" if config.uses_head else "ngram" if config.method == "ngram"
+                       else "draft_model")  # the proposer's
         self.max_model_len = max_model_len
         self.budget = max_num_batched_tokens
         self.controller = KController(config.k_max, config.adaptive,
@@ -159,6 +166,14 @@ class Speculator(NoSpeculation):
         if state is not None:
             state.drafts = state.device = state.q = None
 
+    def keep_features(self, entries: list[tuple[Sequence, int, int]],
+                      step: StepLogits) -> None:
+        """The target pass's results (its captured hidden states: `step.hidden`, None when the
+        runner captures none) and per item (sequence, first position, new tokens), for a
+        proposer that drafts from them."""
+        if step.hidden is not None and self.proposer is not None:
+            self.proposer.keep_features(entries, step.hidden)
+
     # -- drafting --------------------------------------------------------------------------
     def propose(self, running: list[Sequence], num_joining: int,
                 step_started: float | None = None) -> None:
@@ -189,8 +204,15 @@ class Speculator(NoSpeculation):
             self.suffix.maintain()  # a bounded share of evicted texts' index cleanup
         candidates = [s for s in running if s.params.speculative
                       and s.num_computed_tokens == s.num_tokens - 1]
-        if not candidates:
-            return
+        drafting = self._draft(running, candidates, num_joining) if candidates else []
+        if self.proposer is not None:  # what the proposer must follow of the others
+            drafted = {id(s) for s in drafting}
+            self.proposer.absorb([s for s in running if id(s) not in drafted])
+
+    def _draft(self, running: list[Sequence], candidates: list[Sequence], num_joining: int
+               ) -> list[Sequence]:
+        """Choose and propose the drafts of `candidates`; returns those the proposer drafts
+        for."""
         rooms = [self._room(s) for s in candidates]
         # (the class of the running batch: what the next step will most likely decode)
         mode = self.realized.decide(len(running)) if self.config.adaptive else "speculate"
@@ -208,6 +230,7 @@ class Speculator(NoSpeculation):
         chosen = [(s, k) for s, k in zip(candidates, draft_ks) if k > 0]
         if chosen:
             self._propose_with(*map(list, zip(*chosen)))
+        return [s for s, _ in chosen]
 
     def _propose_with(self, seqs: list[Sequence], ks: list[int]) -> None:
         """The proposer's drafts for `seqs`, k each."""
@@ -265,7 +288,7 @@ class Speculator(NoSpeculation):
         alphas = [self._alpha(s, prior) for s in candidates]
         others = [s for s in running if s not in candidates]
         other_tokens = sum(min(s.num_uncomputed_tokens, self.budget) for s in others)
-        backlog = [s.num_tokens - s.num_draft_computed for s in candidates]
+        backlog = [self._backlog(s) for s in candidates]
         remaining = [self._expected_remaining(s, room) + 1 for s, room in zip(candidates, rooms)]
         pending = num_joining + sum(s.params.speculative and s.num_computed_tokens <
                                     s.num_tokens - 1 for s in running)  # decode soon
@@ -301,6 +324,15 @@ class Speculator(NoSpeculation):
         for s, a in zip(candidates, alphas):
             self._state(s).acceptance = a
         return draft_ks, suffix_ks
+
+    def _backlog(self, seq: Sequence) -> int:
+        """Tokens the proposer must catch up on before it drafts for `seq`. A head runs its
+        rows of the last verification's accepted tokens every step (up to k_max + 1, costed
+        like a steady draft step); more is a catch-up (a prompt)."""
+        b = seq.num_tokens - seq.num_draft_computed
+        if self.method == "eagle" and b <= self.config.k_max + 1:
+            return min(b, CATCH_UP_TOKENS)
+        return b
 
     def _invest(self, draft_ks: list[int], backlog: list[int], remaining: list[int],
                 num_running: int) -> list[int]:
@@ -402,16 +434,23 @@ class Speculator(NoSpeculation):
 def build_speculator(config: EngineConfig, plan: RunnerPlan, target: ModelRunner,
                      block_manager: BlockManager, draft_model: torch.nn.Module | None,
                      tokenizer_size: int | None, max_model_len: int,
-                     draft_vocabulary: torch.Tensor | None = None) -> NoSpeculation:
+                     draft_vocabulary: torch.Tensor | None = None,
+                     head: EagleHead | None = None) -> NoSpeculation:
     """The speculation the config asks for (calibrated when adaptive), or `NoSpeculation`.
     A draft model's runner follows `plan`, as the target's does; `draft_vocabulary`: the ids a
-    draft model scores (None: all)."""
+    draft model scores (None: all); `head`: the eagle method's head (the target's runner
+    captures the layers it reads)."""
     speculative = config.speculative
     if not speculative.enabled:
         return NoSpeculation()
     proposer: Proposer | None = None
     if speculative.method == "ngram":
         proposer = NgramProposer(speculative.ngram_min_n, speculative.ngram_max_n)
+    elif speculative.uses_head:
+        proposer = EagleProposer(
+            head, target.model, block_manager, target.shape.vocab_size, plan.attention_backend,
+            seed=config.seed, coupled=speculative.verification == "coupled",
+            stop_confidence=speculative.draft_stop_confidence)
     elif speculative.uses_draft_model:
         proposer = DraftModelProposer(
             draft_model, plan, block_manager, target.shape.vocab_size, max_model_len,
@@ -429,5 +468,5 @@ def build_speculator(config: EngineConfig, plan: RunnerPlan, target: ModelRunner
                             suffix)
     if speculative.adaptive and speculative.calibrate:
         calibrate(speculator.controller, block_manager, target,
-                  getattr(proposer, "runner", None))
+                  proposer if speculative.uses_head else getattr(proposer, "runner", None))
     return speculator

@@ -1,0 +1,552 @@
+"""Training a draft head (engine/spec_decode/eagle.py) from the target: `specserve speculator train`.
+
+Must not change the engine: it drives a plain engine through its public API and reads the
+target's layers the way the runner does (engine/models/lean_forward.py).
+
+1. Data (self-distillation, EAGLE's recipe): the target answers the prompts (a user's chat
+   JSONL, or the default set of engine/spec_decode/train_prompts.py) at high concurrency in our
+   engine, greedy and sampled alternately, and `Recorder` keeps what its forwards compute: the
+   captured layers' outputs at every position and the target's next-token distribution at
+   every answer position (its top TOP_K, kept as soft labels). Raw text (`--text DIR`) adds
+   teacher-forced windows of files (one forward each, logits at every row). Shards are saved
+   as they are made, so a rerun resumes.
+2. Training: the head starts as the target's last layer (`initialize_from_target`) and learns
+   by training-time test (EAGLE-3): step 0 reads the target's features, step j its own output
+   of step j - 1 with the true next token, each row attending to the true prefix's head K/V
+   and its own chain's; loss: cross-entropy against the target's distribution (restricted to
+   the draft vocabulary), step j weighted DECAY ** j; optionally EAGLE's feature regression.
+   Checkpoints every few minutes; a rerun of the same command resumes.
+3. Report: acceptance length per k on held-out conversations (greedy: drafts compared with the
+   target's own top token), before and after training.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from engine.spec_decode.eagle import (EagleHead, head_config, initialize_from_target,
+                                      save_head)
+from engine.spec_decode.speculator import NoSpeculation
+
+log = logging.getLogger("specserve.train")
+
+TOP_K = 16  # the target's most likely next tokens kept per position (soft labels)
+DECAY = 0.8  # weight of training-time-test step j: DECAY ** j
+TEXT_SUFFIXES = {".py", ".md", ".txt", ".rst", ".js", ".ts", ".go", ".rs", ".java", ".c",
+                 ".cpp", ".h", ".sh", ".json", ".toml", ".yaml", ".yml", ".html", ".css"}
+
+
+@dataclass
+class TrainOptions:
+    target: str  # recipe name, folder or hub id (as `engine.model`)
+    out: str  # the head's folder (checkpoints and data under it)
+    prompts: str | None = None  # chat JSONL ({"messages": [...]} or {"prompt": "..."})
+    text: str | None = None  # a folder of raw text files for teacher forcing
+    minutes: float = 60.0  # the whole budget: data, training, report
+    data_share: float = 0.5  # of the budget, at most this much for generating answers
+    max_new_tokens: int = 256
+    concurrency: int = 16
+    max_seq_len: int = 1024
+    quantization: str = "auto"  # as `engine.quantization`: train on the target you serve
+    dtype: str = "bfloat16"
+    device: str = "auto"
+    draft_vocab_size: int = 32768
+    ttt_steps: int = 3  # training-time-test steps
+    lr: float = 3e-4
+    batch_tokens: int = 512  # trained tokens per optimizer step
+    epochs: float | None = None  # stop after this many passes over the data (None: the budget)
+    feature_loss: float = 0.0  # weight of EAGLE's feature regression (0: off)
+    held_out: int = 8  # conversations kept for the report
+    report_k: int = 5
+    checkpoint_minutes: float = 3.0
+    seed: int = 0
+    model_cache_dir: str | None = None
+    progress: bool = True
+    engine_overrides: dict = field(default_factory=dict)  # EngineConfig fields
+
+
+@dataclass
+class Example:
+    ids: torch.Tensor  # [T] long
+    features: torch.Tensor  # [T, F] the captured layers' outputs
+    top_ids: torch.Tensor  # [T, TOP_K] the target's likeliest next tokens after position p
+    top_probs: torch.Tensor  # [T, TOP_K] their probabilities
+    mask: torch.Tensor  # [T] bool: position p's next token is trained on (answer tokens)
+
+
+def _bar(total, desc: str, enabled: bool, unit: str = "it"):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, disable=not enabled, dynamic_ncols=True,
+                mininterval=1.0)
+
+
+# -- data ---------------------------------------------------------------------------------------
+def read_prompts(path: str | None) -> list[list[dict] | str]:
+    """Conversations from a chat JSONL file (`messages`, or `prompt` for raw text), or the
+    default set."""
+    if path is None:
+        from engine.spec_decode.train_prompts import default_prompts
+
+        return default_prompts()
+    out: list[list[dict] | str] = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            value = row.get("messages") or row.get("prompt")
+        except (ValueError, AttributeError):
+            value = None
+        if value is None:
+            raise ValueError(f"--prompts {path}:{n}: expected a JSON object with `messages` "
+                             f"(a chat) or `prompt` (text)")
+        out.append(value)
+    if not out:
+        raise ValueError(f"--prompts {path}: no prompts")
+    return out
+
+
+def encode(tokenizer, prompt: list[dict] | str) -> list[int]:
+    if isinstance(prompt, str) or getattr(tokenizer, "chat_template", None) is None:
+        text = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
+        return tokenizer.encode(text, add_special_tokens=False)
+    return list(tokenizer.apply_chat_template(prompt, add_generation_prompt=True,
+                                              tokenize=True, return_dict=False))
+
+
+def text_windows(folder: str, tokenizer, length: int) -> list[list[int]]:
+    windows = []
+    for path in sorted(Path(folder).rglob("*")):
+        if path.is_file() and path.suffix in TEXT_SUFFIXES:
+            ids = tokenizer.encode(path.read_text(errors="replace"), add_special_tokens=False)
+            windows += [ids[i:i + length] for i in range(0, len(ids) - 16, length)]
+    if not windows:
+        raise ValueError(f"--text {folder}: no text files ({', '.join(sorted(TEXT_SUFFIXES))})")
+    return windows
+
+
+@torch.inference_mode()
+def teacher_forced(model: torch.nn.Module, layers: list[int], ids: list[int],
+                   answer_from: int) -> Example:
+    """One forward of `ids` through the target: features and next-token top-k at every
+    position; positions from answer_from - 1 on predict answer tokens (trained on)."""
+    from engine.models import lean_forward
+
+    device = next(model.parameters()).device
+    t = torch.tensor([ids], device=device)
+    first = max(answer_from - 1, 0)  # logits only where the next token is trained on
+    logits, hidden = lean_forward.forward(model, t, torch.arange(len(ids), device=device)[None],
+                                          torch.arange(first, len(ids), device=device),
+                                          tuple(layers))
+    top_probs, top_ids = torch.softmax(logits[0].float(), dim=-1).topk(TOP_K, dim=-1)
+    all_ids = torch.zeros((len(ids), TOP_K), dtype=torch.int32)
+    all_probs = torch.zeros((len(ids), TOP_K), dtype=torch.float16)
+    all_ids[first:], all_probs[first:] = top_ids.int().cpu(), top_probs.half().cpu()
+    mask = torch.zeros(len(ids), dtype=torch.bool)
+    mask[first:len(ids) - 1] = True
+    return Example(t[0].cpu(), hidden.to(torch.bfloat16).cpu(), all_ids, all_probs, mask)
+
+
+class Recorder(NoSpeculation):
+    """The engine's speculation hooks recording instead of speculating: per request, the
+    captured layers' outputs at every position the target computes and its next-token top-k
+    at every row it samples (the last prompt token, each decode step). The features are the
+    serving path's own (the paged forward)."""
+
+    def __init__(self) -> None:
+        self.features: dict[str, dict[int, torch.Tensor]] = {}  # id -> first position -> rows
+        self.labels: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def keep_features(self, entries, step) -> None:
+        top_probs, top_ids = torch.softmax(step.logits.float(), dim=-1).topk(TOP_K, dim=-1)
+        top_probs, top_ids = top_probs.half().cpu(), top_ids.int().cpu()
+        hidden = step.hidden.to(torch.bfloat16).cpu()
+        offset = 0
+        for i, (seq, start, n) in enumerate(entries):
+            rid = seq.request_id
+            chunks = self.features.setdefault(rid, {})
+            for first in [p for p in chunks if p >= start]:  # recomputed after a preemption
+                del chunks[first]
+            chunks[start] = hidden[offset:offset + n]
+            rows = range(step.row_offsets[i], step.row_offsets[i + 1])
+            labels = self.labels.setdefault(rid, {})
+            for j, r in enumerate(rows):  # the item's last rows
+                labels[start + n - len(rows) + j] = (top_ids[r], top_probs[r])
+            offset += n
+
+    def example(self, rid: str, ids: list[int], answer_from: int) -> Example:
+        """The request's example (its token ids: prompt then answer), forgetting it."""
+        chunks, labels = self.features.pop(rid), self.labels.pop(rid)
+        features = torch.cat([chunks[p] for p in sorted(chunks)])[:len(ids) - 1]
+        top_ids = torch.zeros((len(ids), TOP_K), dtype=torch.int32)
+        top_probs = torch.zeros((len(ids), TOP_K), dtype=torch.float16)
+        mask = torch.zeros(len(ids), dtype=torch.bool)
+        for p, (a, b) in labels.items():
+            if answer_from - 1 <= p < len(ids) - 1:
+                top_ids[p], top_probs[p], mask[p] = a, b, True
+        return Example(torch.tensor(ids), features, top_ids, top_probs, mask)
+
+
+class Collector:
+    """Shards of examples under out/data: the target's answers, recorded as it generates."""
+
+    def __init__(self, opts: TrainOptions, engine, layers: list[int]) -> None:
+        self.opts, self.engine = opts, engine
+        self.dir = Path(opts.out) / "data"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.recorder = Recorder()
+        engine.runner.enable_capture(layers)
+        engine.speculator = self.recorder
+
+    def shards(self) -> list[dict]:
+        return [torch.load(p, weights_only=False) for p in sorted(self.dir.glob("shard-*.pt"))]
+
+    def collect(self, prompts: list[list[int]], first_index: int, deadline: float,
+                label: str) -> int:
+        """Generate answers to `prompts` (indices from first_index) in rounds of
+        `concurrency` until done or `deadline`; returns how many were answered."""
+        from engine import SamplingParams
+
+        opts, done = self.opts, 0
+        bar = _bar(len(prompts), f"answers ({label})", opts.progress, "prompt")
+        while done < len(prompts) and time.monotonic() < deadline:
+            batch = prompts[done:done + opts.concurrency]
+            params = [SamplingParams(temperature=0.0 if (first_index + done + i) % 2 == 0
+                                     else 0.7, seed=opts.seed + first_index + done + i,
+                                     max_tokens=min(opts.max_new_tokens,
+                                                    max(opts.max_seq_len - len(p), 1)))
+                      for i, p in enumerate(batch)]
+            outs = self.engine.generate(batch, params)
+            examples = [self.recorder.example(o.request_id, p + o.output_token_ids, len(p))
+                        for p, o in zip(batch, outs)]
+            torch.save({"first": first_index + done, "examples": examples},
+                       self.dir / f"shard-{first_index + done:06d}.pt")
+            done += len(batch)
+            bar.update(len(batch))
+        bar.close()
+        return done
+
+
+# -- training-time test -------------------------------------------------------------------------
+def ttt_forward(head: EagleHead, embed: torch.nn.Module, ex: Example, steps: int
+                ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per step j: (h [n_j, H], logits [n_j, Vd]) of chain origins p = 0..n_j - 1 (n_j =
+    T - 1 - j): step j's row p sits at position p + j + 1, reads the token there (and the
+    target's feature at p, or its own output of step j - 1) and predicts the next one."""
+    c = head.config
+    device = next(head.parameters()).device
+    ids = ex.ids.to(device)
+    n = len(ids) - 1
+    g = head.fc(ex.features[:n].to(device=device, dtype=head.fc.weight.dtype))
+    keys, values, out = [], [], []
+    for j in range(steps):
+        rows = n - j
+        if rows <= 0:
+            break
+        g = g[:rows]
+        emb = embed(ids[j + 1:j + 1 + rows]).to(g.dtype)
+        q, k, v = head.qkv(emb, g, torch.arange(j + 1, j + 1 + rows, device=device))
+        keys.append(k)
+        values.append(v)
+        # row p attends to the true prefix's rows 0..p (step 0) and its own chain's row of
+        # each later step
+        kk = torch.cat([kk[:rows] if s else kk for s, kk in enumerate(keys)])
+        vv = torch.cat([vv[:rows] if s else vv for s, vv in enumerate(values)])
+        p = torch.arange(rows, device=device)
+        causal = torch.arange(n, device=device)[None, :] <= p[:, None]
+        diag = (p[None, :] == p[:, None]).repeat(1, j)
+        mask = torch.cat([causal, diag], dim=1)
+        att = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], kk.transpose(0, 1)[None], vv.transpose(0, 1)[None],
+            attn_mask=mask[None, None], scale=c.head_dim ** -0.5, enable_gqa=True)
+        h = head.finish(g, att[0].transpose(0, 1))
+        out.append((h, head.logits(h)))
+        g = h
+    return out
+
+
+class Labels:
+    """Target-id -> draft-row lookup, for soft labels over the draft vocabulary."""
+
+    def __init__(self, vocab: torch.Tensor, target_vocab: int) -> None:
+        self.row = torch.full((target_vocab,), -1, dtype=torch.long)
+        self.row[vocab.cpu()] = torch.arange(len(vocab))
+        self.vocab = vocab.cpu()
+
+    def soft(self, ex: Example, positions: torch.Tensor, size: int
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """([rows, draft vocab] target probabilities renormalized over the draft vocabulary,
+        [rows] bool: rows with mass there) at `positions` ([rows] long)."""
+        rows = self.row[ex.top_ids[positions].long()]
+        probs = ex.top_probs[positions].float() * (rows >= 0)
+        dense = torch.zeros((len(positions), size))
+        dense.scatter_add_(1, rows.clamp(min=0), probs)
+        total = dense.sum(1, keepdim=True)
+        return dense / total.clamp(min=1e-9), total[:, 0] > 0.05
+
+
+def step_losses(head: EagleHead, embed, ex: Example, labels: Labels, steps: int,
+                feature_loss: float) -> tuple[torch.Tensor, list[float]]:
+    """The example's training loss and each step's top-1 accuracy (trained rows)."""
+    device = next(head.parameters()).device
+    total, accuracy, weight = torch.zeros((), device=device), [], 0.0
+    n = len(ex.ids) - 1
+    for j, (h, logits) in enumerate(ttt_forward(head, embed, ex, steps)):
+        pos = torch.arange(j + 1, j + 1 + len(h))  # the positions whose next token it predicts
+        target, ok = labels.soft(ex, pos, logits.shape[1])
+        ok &= ex.mask[pos]
+        if not ok.any():
+            continue
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        ce = -(target.to(device) * logp).sum(1)
+        ok_d = ok.to(device)
+        total = total + DECAY ** j * ce[ok_d].mean()
+        weight += DECAY ** j
+        top = labels.row[ex.top_ids[pos, 0].long()].to(device)
+        accuracy.append(float((logits.argmax(1) == top)[ok_d].float().mean()))
+        if j == 0 and feature_loss > 0 and n > 1:
+            # EAGLE's regression: h_p should be what the next row's fused feature would be
+            with torch.no_grad():
+                want = head.fc(ex.features[1:n].to(device=device, dtype=head.fc.weight.dtype))
+            rows = ok_d[:n - 1]
+            total = total + feature_loss * F.smooth_l1_loss(h[:n - 1][rows].float(),
+                                                            want[rows].float())
+    return total / max(weight, 1e-9), accuracy
+
+
+@torch.no_grad()
+def acceptance_lengths(head: EagleHead, embed, examples: list[Example], labels: Labels,
+                       k: int) -> list[float]:
+    """Per k' = 1..k: the mean tokens one verification of k' greedy drafts emits (accepted
+    + 1) over every answer position of `examples`, drafts compared with the target's top
+    token (its greedy pick)."""
+    sums, count = [0.0] * k, 0
+    for ex in examples:
+        outs = ttt_forward(head, embed, ex, k)
+        if len(outs) < k:
+            continue
+        rows = len(outs[-1][0])
+        run = torch.ones(rows, dtype=torch.bool)
+        valid = ex.mask[1:1 + rows].clone()
+        accepted = torch.zeros(rows)
+        for j, (_, logits) in enumerate(outs):
+            pos = torch.arange(j + 1, j + 1 + rows)
+            top = labels.row[ex.top_ids[pos, 0].long()]
+            match = (logits[:rows].argmax(1).cpu() == top) & (top >= 0)
+            run &= match
+            valid &= ex.mask[pos]
+            accepted += run.float()
+            sums[j] += float(accepted[valid].sum())
+        count += int(valid.sum())
+    return [1.0 + s / max(count, 1) for s in sums]
+
+
+# -- the command --------------------------------------------------------------------------------
+def _engine(opts: TrainOptions, model=None, tokenizer=None):
+    from engine import EngineConfig, LLMEngine
+
+    # no prefix cache (every position's features are recorded), no CUDA graphs (the runner
+    # captures hidden states; it is switched on after start-up)
+    cfg = dict(model=opts.target, dtype=opts.dtype, device=opts.device,
+               quantization=opts.quantization, enable_prefix_caching=False, cuda_graphs="off",
+               max_num_seqs=opts.concurrency, max_num_batched_tokens=1024,
+               kv_cache_memory_gb=1.5, model_cache_dir=opts.model_cache_dir)
+    cfg.update(opts.engine_overrides)
+    return LLMEngine(EngineConfig(**cfg), model=model, tokenizer=tokenizer)
+
+
+def _draft_vocab(tokenizer, size: int, vocab_size: int) -> list[int]:
+    from engine.models.draft import draft_vocabulary
+
+    ids = draft_vocabulary(tokenizer, size, vocab_size) if tokenizer is not None else None
+    return list(range(vocab_size)) if ids is None else ids.tolist()
+
+
+def train(opts: TrainOptions, model=None, tokenizer=None) -> dict:
+    """Build, train and save a head for `opts.target` within `opts.minutes`; returns the
+    report (also written to out/report.json). `model`/`tokenizer`: given instead of loaded."""
+    started = time.monotonic()
+    deadline = started + 60.0 * opts.minutes
+    random.seed(opts.seed)
+    torch.manual_seed(opts.seed)
+    engine = _engine(opts, model, tokenizer)
+    target, tok = engine.runner.model, engine.tokenizer
+    if tok is None:
+        raise ValueError("training a speculator needs the target's tokenizer")
+    vocab = _draft_vocab(tok, opts.draft_vocab_size, engine.vocab_size)
+    config = head_config(target, opts.target, vocab)
+    out = Path(opts.out)
+    out.mkdir(parents=True, exist_ok=True)
+    prompts = [encode(tok, p) for p in read_prompts(opts.prompts)]
+    prompts = [p[:opts.max_seq_len // 2] for p in prompts if p]
+    held = min(opts.held_out, max(len(prompts) // 5, 1))
+    collector = Collector(opts, engine, config.layers)
+    have = {s["first"]: s for s in collector.shards()}
+    answered = sum(len(s["examples"]) for s in have.values())
+    data_deadline = started + 60.0 * opts.minutes * opts.data_share
+    if answered < len(prompts):
+        collector.collect(prompts[answered:], answered,
+                          max(data_deadline, time.monotonic() + 1.0) if answered < held
+                          else data_deadline, "generating")
+    data_seconds = time.monotonic() - started
+    shards = collector.shards()
+    examples = [e for s in shards for e in s["examples"]]
+    if len(examples) <= held:
+        raise RuntimeError(f"only {len(examples)} conversations answered within the data "
+                           f"budget: raise --minutes or lower --max-new-tokens")
+    evaluation, training = examples[:held], examples[held:]
+    if opts.text:
+        windows = text_windows(opts.text, tok, opts.max_seq_len)
+        training += [teacher_forced(target, config.layers, w, 1) for w in windows]
+    head = EagleHead(config)
+    initialize_from_target(head, target)
+    embed = target.get_input_embeddings()
+    device = next(target.parameters()).device
+    head = head.to(device)  # float32 master weights
+    labels = Labels(head.vocab, engine.vocab_size)
+    before = acceptance_lengths(head, embed, evaluation, labels, opts.report_k)
+    trained = _fit(opts, head, embed, training, labels, deadline - _report_seconds(
+        head, embed, evaluation, labels, opts.report_k), evaluation)
+    after = acceptance_lengths(head, embed, evaluation, labels, opts.report_k)
+    report = {"target": opts.target, "quantization": opts.quantization,
+              "conversations": len(examples), "held_out": held,
+              "training_tokens": int(sum(len(e.ids) for e in training)),
+              "answer_tokens": int(sum(int(e.mask.sum()) for e in training)),
+              "data_seconds": data_seconds,
+              "text_windows": len(training) - (len(examples) - held),
+              "acceptance_length_untrained": before, "acceptance_length": after,
+              "minutes": (time.monotonic() - started) / 60.0, **trained}
+    head.config.trained = report
+    save_head(head, str(out))
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    return report
+
+
+def _report_seconds(head, embed, examples, labels, k) -> float:
+    """What the final report will take: one timed evaluation of the untrained head."""
+    t0 = time.monotonic()
+    acceptance_lengths(head, embed, examples[:1], labels, k)
+    return (time.monotonic() - t0) * len(examples) + 1.0
+
+
+def _fit(opts: TrainOptions, head: EagleHead, embed, examples: list[Example], labels: Labels,
+         deadline: float, evaluation: list[Example]) -> dict:
+    """Train until `deadline` (monotonic), resuming from out/checkpoint; an optimizer step
+    per `batch_tokens` trained tokens; at each checkpoint the held-out acceptance (the curve
+    against training time)."""
+    ckpt = Path(opts.out) / "checkpoint"
+    params = [p for p in head.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=opts.lr, weight_decay=0.0)
+    state = {"steps": 0, "epochs": 0, "at": 0, "seconds": 0.0, "tokens": 0, "history": [],
+             "curve": []}
+    if (ckpt / "state.json").exists():
+        from safetensors.torch import load_file
+
+        head.load_state_dict(load_file(str(ckpt / "model.safetensors")))
+        optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=False))
+        state = json.loads((ckpt / "state.json").read_text())
+    device = next(head.parameters()).device
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16,
+                              enabled=device.type in ("cpu", "cuda"))
+    order = list(range(len(examples)))
+    random.Random(opts.seed + state["epochs"]).shuffle(order)
+    last_save = t0 = time.monotonic()
+    seconds0 = state["seconds"]
+    bar = _bar(round(max(deadline - t0, 0.0)), "training", opts.progress, "s")
+    recent: list[float] = []
+    pending = 0  # trained tokens whose gradients wait for the next optimizer step
+    head.train()
+    optimizer.zero_grad(set_to_none=True)
+    while time.monotonic() < deadline and (
+            opts.epochs is None
+            or state["epochs"] + state["at"] / max(len(order), 1) < opts.epochs):
+        if state["at"] >= len(order):
+            state["at"], state["epochs"] = 0, state["epochs"] + 1
+            random.Random(opts.seed + state["epochs"]).shuffle(order)
+        ex = examples[order[state["at"]]]
+        state["at"] += 1
+        tokens = int(ex.mask.sum())
+        with autocast:
+            loss, accuracy = step_losses(head, embed, ex, labels, opts.ttt_steps,
+                                         opts.feature_loss)
+        if not loss.requires_grad or not math.isfinite(float(loss.detach())):
+            continue
+        (loss * tokens / opts.batch_tokens).backward()
+        pending += tokens
+        state["tokens"] += tokens
+        recent = (recent + [accuracy[0] if accuracy else 0.0])[-50:]
+        if pending >= opts.batch_tokens:
+            for group in optimizer.param_groups:  # a short warm-up
+                group["lr"] = opts.lr * min(1.0, (state["steps"] + 1) / 10)
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            state["steps"] += 1
+            pending = 0
+        now = time.monotonic()
+        bar.set_postfix(loss=f"{float(loss.detach()):.3f}",
+                        top1=f"{sum(recent) / len(recent):.2f}", steps=state["steps"],
+                        refresh=False)
+        bar.update(min(round(now - t0), bar.total) - bar.n)
+        if now - last_save > 60.0 * opts.checkpoint_minutes and now < deadline:
+            state["history"].append({"seconds": seconds0 + now - t0, "steps": state["steps"],
+                                     "tokens": state["tokens"],
+                                     "top1": sum(recent) / len(recent)})
+            _measure(state, head, embed, evaluation, labels, opts, seconds0 + now - t0)
+            head.train()
+            state["seconds"] = seconds0 + now - t0
+            _checkpoint(ckpt, head, optimizer, state)
+            last_save = time.monotonic()
+    bar.close()
+    head.eval()
+    state["seconds"] = seconds0 + time.monotonic() - t0
+    _checkpoint(ckpt, head, optimizer, state)
+    return {"train_steps": state["steps"], "train_epochs": state["epochs"],
+            "train_seconds": state["seconds"], "trained_tokens": state["tokens"],
+            "history": state["history"], "curve": state["curve"]}
+
+
+def _measure(state: dict, head: EagleHead, embed, evaluation: list[Example], labels: Labels,
+             opts: TrainOptions, seconds: float) -> None:
+    head.eval()
+    lengths = acceptance_lengths(head, embed, evaluation, labels, opts.report_k)
+    state["curve"].append({"train_seconds": seconds, "tokens": state["tokens"],
+                           "acceptance_length": lengths})
+
+
+def _checkpoint(folder: Path, head: EagleHead, optimizer, state: dict) -> None:
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()},
+              str(folder / "model.safetensors.tmp"))
+    os.replace(folder / "model.safetensors.tmp", folder / "model.safetensors")
+    torch.save(optimizer.state_dict(), folder / "optimizer.pt.tmp")
+    os.replace(folder / "optimizer.pt.tmp", folder / "optimizer.pt")
+    (folder / "state.json.tmp").write_text(json.dumps(state))
+    os.replace(folder / "state.json.tmp", folder / "state.json")
+
+
+def format_report(report: dict) -> str:
+    lines = [f"speculator for {report['target']} ({report['quantization']}): "
+             f"{report['conversations']} conversations ({report['held_out']} held out), "
+             f"{report['training_tokens']} training tokens, {report['train_steps']} steps in "
+             f"{report['train_seconds'] / 60:.1f} min ({report['minutes']:.1f} min in all)",
+             "acceptance length on held-out conversations (greedy, tokens per verification):",
+             "  k  untrained  trained"]
+    for k, (a, b) in enumerate(zip(report["acceptance_length_untrained"],
+                                   report["acceptance_length"]), 1):
+        lines.append(f"  {k}  {a:9.2f}  {b:7.2f}")
+    return "\n".join(lines)
+

@@ -1,0 +1,258 @@
+"""Draft heads trained from the target (EAGLE): capture, training, exact serving, bad files."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from conftest import (build_tiny_model, build_tokenizer, distribution_pair, make_engine,
+                      random_prompts, same_distribution_pvalue, staggered, third_tokens)
+from engine import SamplingParams
+from engine.model_runner import ModelRunner, RunItem
+from engine.spec_decode.eagle import (CONFIG_FILE, WEIGHTS_FILE, EagleHead, HeadFileError,
+                                      head_config, initialize_from_target, save_head)
+from engine.spec_decode.eagle_train import TrainOptions, encode, read_prompts, train
+
+LAYERS = 4  # the tiny target's layers (its head reads layers 1, 1 and 0)
+
+
+def tiny_target():
+    return build_tiny_model("qwen2", num_layers=LAYERS)
+
+
+def untrained_head(target, path, vocab=None):
+    head = EagleHead(head_config(target, "tiny", vocab or list(range(320))))
+    initialize_from_target(head, target)
+    save_head(head, str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A head trained for a few seconds on the tiny target's own answers to the default
+    prompts (the first 4 held out), with its report."""
+    out = tmp_path_factory.mktemp("head")
+    prompts = out / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"messages": m}) + "\n"
+                               for m in read_prompts(None)[:96]))
+    # a fixed amount of work (3 passes over 92 answers), the budget only a bound
+    opts = TrainOptions(target="tiny", out=str(out), prompts=str(prompts), minutes=4,
+                        epochs=4,
+                        max_new_tokens=32, concurrency=16, quantization="none",
+                        dtype="float32", draft_vocab_size=0, held_out=4, progress=False,
+                        report_k=4, checkpoint_minutes=0.05, batch_tokens=32,
+                        engine_overrides=dict(num_blocks=512, batch_invariant=False,
+                                              cpu_matmul_autotune=False))
+    report = train(opts, model=tiny_target(), tokenizer=build_tokenizer())
+    return str(out), report
+
+
+def held_out_prompts():
+    tok = build_tokenizer()
+    return [encode(tok, p) for p in read_prompts(None)[:4]]
+
+
+def test_runner_returns_the_captured_layers_of_every_new_token():
+    target = tiny_target()
+    reference = target(torch.tensor([list(range(5, 25))]), output_hidden_states=True)
+    runner = ModelRunner(build_tiny_model("qwen2", num_layers=LAYERS), num_blocks=8,
+                         block_size=16)
+    runner.enable_capture([2, 0])
+    # two chunks: the second attends to the first's K/V through the cache
+    first = runner.execute([RunItem(list(range(5, 17)), 0, [0, 1], 1)])
+    second = runner.execute([RunItem(list(range(17, 25)), 12, [0, 1], 1)])
+    hidden = torch.cat([first.hidden, second.hidden])
+    # hidden_states[i + 1] is layer i's output
+    want = torch.cat([reference.hidden_states[3][0], reference.hidden_states[1][0]], dim=-1)
+    assert hidden.shape == (20, 2 * 64)
+    torch.testing.assert_close(hidden, want, rtol=1e-4, atol=1e-4)
+
+
+def test_training_raises_acceptance_well_above_an_untrained_head(trained, tmp_path):
+    path, report = trained
+    before, after = report["acceptance_length_untrained"], report["acceptance_length"]
+    assert after[3] > before[3] + 0.5, report  # the training's own held-out report
+    assert report["curve"] and report["train_steps"] > 0
+    # measured in the engine on the held-out prompts
+    prompts = held_out_prompts()
+    greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    rates = []
+    for head in (untrained_head(tiny_target(), tmp_path / "untrained"), path):
+        engine = make_engine(tiny_target(), "eagle", speculator=head, k_max=4)
+        engine.generate(prompts, greedy)
+        rates.append(engine.speculator.stats.acceptance_rate)
+    assert rates[1] > rates[0] + 0.15, rates
+
+
+@pytest.mark.parametrize("method,adaptive", [("eagle", False), ("hybrid", True)])
+def test_greedy_with_eagle_equals_plain_in_a_staggered_mixed_batch(trained, method, adaptive):
+    path, _ = trained
+    target = tiny_target()
+    base = random_prompts([12, 7, 20], seed=9)
+    prompts = held_out_prompts() + [b * 3 for b in base] + random_prompts([3, 40, 1], seed=4)
+    params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=7, max_tokens=30, ignore_eos=True)] * 5
+    plain = staggered(make_engine(target), prompts, params)
+    engine = make_engine(target, method, speculator=path, k_max=4, adaptive=adaptive)
+    spec = staggered(engine, prompts, params)
+    assert [o.output_token_ids for o in spec] == [o.output_token_ids for o in plain]
+    st = engine.speculator.stats
+    assert st.by_method["eagle"][2] > 0  # eagle drafts were accepted
+    if method == "hybrid":
+        assert st.by_method.get("suffix", [0])[0] > 0  # the repeated prompts matched
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert engine.speculator.num_states == 0
+
+
+def test_eagle_stays_exact_with_preemption_and_after_prefix_cache_hits(trained):
+    path, _ = trained
+    target = tiny_target()
+    shared = random_prompts([40], seed=3)[0]
+    prompts = [shared + p for p in random_prompts([5, 9, 2, 14, 7, 3], seed=5)]
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = make_engine(target).generate(prompts, greedy)
+    engine = make_engine(target, "eagle", speculator=path, k_max=4, num_blocks=24,
+                         block_size=8)
+    first = engine.generate(prompts[:1], greedy)  # caches the shared prefix
+    rest = engine.generate(prompts[1:], greedy)
+    assert [o.output_token_ids for o in first + rest] == [o.output_token_ids for o in plain]
+    assert engine.scheduler.stats.num_preemptions > 0
+    assert engine.block_manager.prefix_stats.hits > 0
+    # a hit leaves one head row per hit without the feature before it, never the prefix
+    proposer = engine.speculator.proposer
+    assert 0 < proposer.rows_without_features <= 2 * len(prompts)
+    assert engine.speculator.stats.num_accepted_tokens > 0
+
+
+def test_eagle_sampled_output_keeps_the_target_distribution(tmp_path):
+    target, _, prompt = distribution_pair()
+    head = untrained_head(target, tmp_path / "head")
+    n = 2400
+
+    def params(seed):
+        return SamplingParams(temperature=1.0, max_tokens=4, seed=seed, ignore_eos=True)
+
+    plain = third_tokens(make_engine(target), prompt, [params(s) for s in range(n)])
+    engine = make_engine(target, "eagle", speculator=head, k_max=3, verification="rejection")
+    spec = third_tokens(engine, prompt, [params(s) for s in range(n, 2 * n)])
+    assert 0.05 < engine.speculator.stats.acceptance_rate < 0.99
+    assert same_distribution_pvalue(plain, spec) > 0.001
+
+
+def test_eagle_with_a_vocabulary_subset_and_penalties_stays_exact(tmp_path):
+    target = tiny_target()
+    head = untrained_head(target, tmp_path / "head", vocab=list(range(0, 320, 2)))
+    prompts = random_prompts([6, 30], seed=12)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                            repetition_penalty=1.2)
+    plain = make_engine(target).generate(prompts, params)
+    engine = make_engine(target, "eagle", speculator=head, k_max=3)
+    spec = engine.generate(prompts, params)
+    assert [o.output_token_ids for o in spec] == [o.output_token_ids for o in plain]
+
+
+def test_eagle_under_a_grammar_stays_exact(trained):
+    from engine import EngineConfig, LLMEngine, structured
+    from engine.config import SpeculativeConfig
+
+    path, _ = trained
+    tok = build_tokenizer()
+    grammar = structured.regex(r"[a-z ]{1,40}[0-9]{2,6}")
+    params = [SamplingParams(temperature=0, max_tokens=40, grammar=grammar),
+              SamplingParams(temperature=1.0, seed=3, max_tokens=40, grammar=grammar)] * 2
+    prompts = ["hello world", "def add(a, b):", "Speculative decoding", "The scheduler"]
+
+    def run(spec):
+        engine = LLMEngine(EngineConfig(num_blocks=256, max_num_seqs=8, speculative=spec),
+                           model=tiny_target(), tokenizer=tok)
+        return engine, engine.generate(prompts, params)
+
+    _, plain = run(SpeculativeConfig())
+    engine, spec = run(SpeculativeConfig(method="eagle", speculator=path, k_max=4,
+                                         adaptive=False, calibrate=False))
+    assert [o.output_token_ids for o in spec] == [o.output_token_ids for o in plain]
+    assert engine.speculator.stats.num_draft_tokens > 0
+
+
+def _engine_error(path) -> str:
+    with pytest.raises(HeadFileError) as info:
+        make_engine(tiny_target(), "eagle", speculator=str(path))
+    assert "speculative.speculator" in str(info.value)
+    return str(info.value)
+
+
+def test_missing_corrupt_and_foreign_heads_are_refused_at_start_up(tmp_path):
+    assert "not a folder" in _engine_error(tmp_path / "nowhere")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert CONFIG_FILE in _engine_error(empty)
+    good = untrained_head(tiny_target(), tmp_path / "good")
+    corrupt = tmp_path / "corrupt"
+    os.makedirs(corrupt)
+    (corrupt / CONFIG_FILE).write_text(open(os.path.join(good, CONFIG_FILE)).read())
+    (corrupt / WEIGHTS_FILE).write_bytes(b"\x00garbage" * 64)
+    assert "corrupt" in _engine_error(corrupt)
+    (tmp_path / "badjson").mkdir()
+    (tmp_path / "badjson" / CONFIG_FILE).write_text("{not json")
+    assert "not a speculator config" in _engine_error(tmp_path / "badjson")
+    # the same shape, other weights: another model
+    other = untrained_head(build_tiny_model("qwen2", num_layers=LAYERS, seed=5),
+                           tmp_path / "other")
+    assert "embeddings differ" in _engine_error(other)
+    # another shape
+    deeper = untrained_head(build_tiny_model("qwen2", num_layers=2), tmp_path / "deeper")
+    assert "another shape" in _engine_error(deeper)
+    # weights of another config's head
+    cfg = json.loads(open(os.path.join(good, CONFIG_FILE)).read())
+    cfg["vocab"] = cfg["vocab"][:64]
+    mismatch = tmp_path / "mismatch"
+    os.makedirs(mismatch)
+    (mismatch / CONFIG_FILE).write_text(json.dumps(cfg))
+    (mismatch / WEIGHTS_FILE).write_bytes(open(os.path.join(good, WEIGHTS_FILE), "rb").read())
+    assert "does not hold" in _engine_error(mismatch)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_eagle_on_cuda_with_cuda_graphs_equals_plain(tmp_path):
+    target = tiny_target().to(torch.bfloat16).cuda()
+    head = untrained_head(target, tmp_path / "head")
+    prompts = random_prompts([5, 40, 17], seed=6)
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = make_engine(target, dtype="bfloat16").generate(prompts, greedy)
+    engine = make_engine(target, "eagle", speculator=head, k_max=3, dtype="bfloat16")
+    spec = engine.generate(prompts, greedy)
+    assert [o.output_token_ids for o in spec] == [o.output_token_ids for o in plain]
+    assert engine.runner.static is not None and engine.runner.static.num_replays > 0
+    assert engine.speculator.stats.num_draft_tokens > 0
+
+
+def test_eagle_config_errors_name_the_option():
+    from engine.config import SpeculativeConfig
+
+    with pytest.raises(ValueError, match="speculator"):
+        SpeculativeConfig(method="eagle")
+    with pytest.raises(ValueError, match="speculator"):
+        SpeculativeConfig(method="hybrid", draft_model="d", speculator="s")
+    assert SpeculativeConfig(method="hybrid", speculator="s").uses_head
+    assert not SpeculativeConfig(method="hybrid", speculator="s").uses_draft_model
+
+
+def test_default_training_prompts_are_disjoint_from_the_benchmark_prompts():
+    root = os.path.join(os.path.dirname(__file__), "..", "bench", "prompts")
+    bench = set()
+    for name in ("chat.jsonl", "code_edit.jsonl", "structured.jsonl"):
+        for line in open(os.path.join(root, name)):
+            if line.strip():
+                row = json.loads(line)
+                bench.update(m["content"][:60] for m in row.get("messages", []))
+                bench.update([row["prompt"][:60]] if "prompt" in row else [])
+    ours = [m["content"][:60] for conv in read_prompts(None) for m in conv]
+    assert len(ours) >= 300 and not bench & set(ours)
+
+
+def test_prompts_file_errors_name_the_line(tmp_path):
+    bad = tmp_path / "p.jsonl"
+    bad.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n{"x": 1}\n')
+    with pytest.raises(ValueError, match="p.jsonl:2"):
+        read_prompts(str(bad))
