@@ -20,6 +20,9 @@ class SpeculativeConfig:
     # eagle (and hybrid): the folder of a head trained for the served target
     # (`specserve speculator train`)
     speculator: str | None = None
+    # the head's linears: none | int8 | int4 | auto (int4 on the CPU, where a bf16 head would
+    # cost a fifth of an int4 target's step; none on CUDA); exactness does not need it
+    speculator_quantization: str = "auto"
     draft_dtype: str | None = None  # defaults to the target's dtype; exactness does not need it
     draft_gguf_file: str | None = None
     # none | int8 | int4 | auto, as engine.quantization (engine/models/quantize.py); the
@@ -66,6 +69,10 @@ class SpeculativeConfig:
         if self.draft_quantization not in QUANTIZATION_MODES:
             raise ValueError(f"invalid speculative config draft_quantization: "
                              f"{self.draft_quantization!r}; use one of {QUANTIZATION_MODES}")
+        if self.speculator_quantization not in QUANTIZATION_MODES:
+            raise ValueError(f"invalid speculative config speculator_quantization: "
+                             f"{self.speculator_quantization!r}; use one of "
+                             f"{QUANTIZATION_MODES}")
         if not isinstance(self.draft_vocab_size, int) or self.draft_vocab_size < 0:
             raise ValueError(f"invalid speculative config draft_vocab_size: "
                              f"{self.draft_vocab_size!r}, must be >= 0 (0: the whole "

@@ -45,22 +45,23 @@ class LLMEngine:
         model, tokenizer, draft_model = load_models(config, model, tokenizer, draft_model)
         self.tokenizer = tokenizer
         models = [model] + ([draft_model] if draft_model is not None else [])
+        head = load_speculator(config, model)  # a draft head reads the target's hidden states
+        heads = (head,) if head is not None else ()
         self.plan = plan = RunnerPlan.resolve(config, next(model.parameters()).device)
-        num_blocks = config.num_blocks or memory_plan.blocks_for_memory(config, models)
+        num_blocks = config.num_blocks or memory_plan.blocks_for_memory(config, models, heads)
         # on CUDA the pool is sized after measuring forwards on a small one (memory_plan.py)
         sized = config.num_blocks is None and plan.device.type == "cuda"
         self.runner = plan.runner(model, memory_plan.profile_blocks(config) if sized
                                   else num_blocks, config.block_size)
+        if head is not None:  # before the measured forwards: they return the features too
+            self.runner.enable_capture(head.config.layers)
         if sized:
-            num_blocks = memory_plan.plan_blocks(config, self.runner, models)
+            num_blocks = memory_plan.plan_blocks(config, self.runner, models, heads)
             self.runner.resize_kv(num_blocks)
         self.vocab_size = self.runner.shape.vocab_size
         self.block_manager = BlockManager(num_blocks, config.block_size,
                                           config.enable_prefix_caching)
         self.max_model_len = memory_plan.max_model_len(config, model, num_blocks)
-        head = load_speculator(config, model)  # a draft head reads the target's hidden states
-        if head is not None:
-            self.runner.enable_capture(head.config.layers)
         plan.enable_static_steps(self.runner, self.max_model_len)
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_batched_tokens=config.max_num_batched_tokens,

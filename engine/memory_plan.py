@@ -93,21 +93,26 @@ def measure_step_peak(runner, num_tokens: int, bucket_seqs: int, bucket_tokens: 
     return peaks[0], peaks[1]
 
 
-def bytes_per_block(models: list[torch.nn.Module], block_size: int) -> int:
-    """KV bytes of one block id: a draft model's KV shares the same block ids."""
+def bytes_per_block(models: list[torch.nn.Module], block_size: int, heads: tuple = ()) -> int:
+    """KV bytes of one block id: a draft model's KV, and a draft head's one layer
+    (engine/spec_decode/eagle.py `EagleHead`), share the same block ids."""
     per_block = 0
     for model in models:
         shape = ModelShape.of(model)
         per_block += PagedKVCache.bytes_per_block(shape.num_layers, block_size,
                                                   shape.num_kv_heads, shape.head_dim,
                                                   model.get_input_embeddings().weight.dtype)
+    dtype = models[0].get_input_embeddings().weight.dtype
+    for head in heads:
+        per_block += PagedKVCache.bytes_per_block(1, block_size, head.config.num_kv_heads,
+                                                  head.config.head_dim, dtype)
     return per_block
 
 
-def blocks_for_memory(config, models: list[torch.nn.Module]) -> int:
+def blocks_for_memory(config, models: list[torch.nn.Module], heads: tuple = ()) -> int:
     """Blocks that fit kv_cache_memory_gb (an EngineConfig's)."""
     return max(1, int(config.kv_cache_memory_gb * GiB
-                      // bytes_per_block(models, config.block_size)))
+                      // bytes_per_block(models, config.block_size, heads)))
 
 
 def static_tokens(config) -> int:
@@ -130,9 +135,10 @@ def max_model_len(config, model: torch.nn.Module, num_blocks: int) -> int:
     return min(limit, num_blocks * config.block_size)
 
 
-def plan_blocks(cfg, runner, models: list[torch.nn.Module]) -> int:
+def plan_blocks(cfg, runner, models: list[torch.nn.Module], heads: tuple = ()) -> int:
     """CUDA: the pool's blocks once weights, the largest step and the CUDA graphs are
-    accounted (`runner`: the target's, on a profile pool of `profile_blocks`)."""
+    accounted (`runner`: the target's, on a profile pool of `profile_blocks`; `heads`: a draft
+    head, loaded already, whose KV shares the block ids)."""
     device, tokens = runner.device, static_tokens(cfg)
     captured = cfg.cuda_graphs == "auto" and runner.attention_backend == "triton"
     sizes = tuple(cfg.cuda_graph_batch_sizes) if captured else ()
@@ -153,7 +159,7 @@ def plan_blocks(cfg, runner, models: list[torch.nn.Module]) -> int:
     plan = plan_kv_bytes(int(cfg.kv_cache_memory_gb * GiB), total, in_use,
                          cfg.gpu_memory_utilization, max(chunk_peak, bucket_peak), graphs)
     log.info("memory plan: %s", plan.describe())
-    return max(1, plan.kv_bytes // bytes_per_block(models, cfg.block_size))
+    return max(1, plan.kv_bytes // bytes_per_block(models, cfg.block_size, heads))
 
 
 def _split_partials(cfg, models: list[torch.nn.Module], sizes: tuple[int, ...], tokens: int,

@@ -87,7 +87,7 @@ def _speculator_train(args: argparse.Namespace) -> int:
 
     opts = TrainOptions(
         target=args.target, out=args.out, prompts=args.prompts, text=args.text,
-        minutes=args.minutes, max_new_tokens=args.max_new_tokens,
+        minutes=args.minutes, data_share=args.data_share, max_new_tokens=args.max_new_tokens,
         concurrency=args.concurrency, quantization=args.quantization, dtype=args.dtype,
         device=args.device, draft_vocab_size=args.draft_vocab_size, ttt_steps=args.ttt_steps,
         lr=args.lr, feature_loss=args.feature_loss, epochs=args.epochs,
@@ -120,6 +120,9 @@ def _add_speculator(sub) -> None:
                                    "forcing as well")
     tr.add_argument("--minutes", type=float, default=60.0,
                     help="the whole budget: answers, training and report (default 60)")
+    tr.add_argument("--data-share", type=float, default=0.5,
+                    help="at most this share of the budget generates answers (default 0.5; "
+                         "0 on a rerun: train on the answers saved in OUT)")
     tr.add_argument("--max-new-tokens", type=int, default=256)
     tr.add_argument("--concurrency", type=int, default=16,
                     help="requests the engine answers at once")

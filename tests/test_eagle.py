@@ -256,3 +256,30 @@ def test_prompts_file_errors_name_the_line(tmp_path):
     bad.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n{"x": 1}\n')
     with pytest.raises(ValueError, match="p.jsonl:2"):
         read_prompts(str(bad))
+
+
+def test_the_train_command_reports_a_bad_target_clearly(tmp_path, capsys):
+    from server.cli import main
+
+    assert main(["speculator", "train", "--target", str(tmp_path / "no-such-model"),
+                 "--out", str(tmp_path / "head"), "--no-progress"]) == 2
+    assert "error:" in capsys.readouterr().err
+
+
+def test_training_on_raw_text_adds_teacher_forced_windows(tmp_path):
+    text = tmp_path / "src"
+    text.mkdir()
+    (text / "a.py").write_text("def add(a, b):\n    return a + b\n" * 40)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"messages": m}) + "\n"
+                               for m in read_prompts(None)[:12]))
+    opts = TrainOptions(target="tiny", out=str(tmp_path / "head"), prompts=str(prompts),
+                        text=str(text), minutes=2, epochs=1, max_new_tokens=8,
+                        max_seq_len=128, quantization="none", dtype="float32",
+                        draft_vocab_size=0, held_out=2, progress=False, report_k=2,
+                        batch_tokens=64,
+                        engine_overrides=dict(num_blocks=128, batch_invariant=False,
+                                              cpu_matmul_autotune=False))
+    report = train(opts, model=tiny_target(), tokenizer=build_tokenizer())
+    assert report["text_windows"] > 0 and report["train_steps"] > 0
+    assert os.path.exists(tmp_path / "head" / WEIGHTS_FILE)

@@ -215,11 +215,12 @@ def _set_module(model: torch.nn.Module, name: str, module: torch.nn.Module) -> N
 
 
 def quantize_model(model: torch.nn.Module, mode: str, source: str | Path | None = None,
-                   stored: StoredGGUF | None = None, int4_kernel: str = "auto"
-                   ) -> dict[str, int]:
+                   stored: StoredGGUF | None = None, int4_kernel: str = "auto",
+                   dtype: torch.dtype | None = None) -> dict[str, int]:
     """Replace `model`'s linear layers in place as `mode` says; `source`: the model's folder
     (its stored GGUF form, if any), or the stored form already opened; `int4_kernel`: see
-    Int4Linear. Returns how many layers got each form."""
+    Int4Linear; `dtype`: the activations' (default: the input embeddings'). Returns how many
+    layers got each form."""
     if mode not in MODES:
         raise ValueError(f"invalid quantization {mode!r}; use one of {MODES}")
     if stored is None and mode in ("int4", "auto"):
@@ -230,7 +231,7 @@ def quantize_model(model: torch.nn.Module, mode: str, source: str | Path | None 
     counts = {"int4": 0, "int4_gguf": 0, "int8": 0, "unchanged": 0}
     if mode == "none":
         return counts
-    dtype = model.get_input_embeddings().weight.dtype
+    dtype = dtype or model.get_input_embeddings().weight.dtype
     for name, linear in list(_linears(model)):
         if linear.in_features % GROUP_SIZE:
             counts["unchanged"] += 1

@@ -264,10 +264,11 @@ def load_head(path: str, model: nn.Module, dtype: torch.dtype, device: torch.dev
 
 
 def initialize_from_target(head: EagleHead, model: nn.Module) -> None:
-    """Start a head as the target's last decoder layer applied once more (features: its
-    late-layer input picked by `fc`; the embedding half of q/k/v zero; norm and output
-    projection the target's, over the draft vocabulary): a start that already drafts, which
-    training then adapts."""
+    """Start a head from the target's weights: its decoder layer a copy of the target's last
+    one (the embedding half of q/k/v zero), `fc` passing the late feature through, the norms
+    and the output projection (over the draft vocabulary) the target's. It does not draft well
+    untrained (it reads the token the target already saw, not the next one), but training
+    starts from the target's own output space instead of from noise."""
     from engine.kernels.quant_linear import Int4Linear
 
     def weight(linear) -> torch.Tensor:

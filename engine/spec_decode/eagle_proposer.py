@@ -5,8 +5,8 @@ as the target, like the draft model's) and the target features not yet consumed.
 runner returns the captured layers' outputs at every token it computed (`StepLogits.hidden`);
 the speculator hands them over after the target pass (`keep_features`), and the rows whose KV
 the target keeps after verification (positions below `num_computed_tokens`) are the head's
-input. The head's row for the token at position q (q >= 1) reads that token and the target's
-feature at q - 1, and sits at position q (its K/V in q's slot). `seq.num_draft_computed`
+input. The head's row for the token at position q reads that token and the target's feature
+at q - 1 (a zero one for q = 0), and sits at position q (its K/V in q's slot). `seq.num_draft_computed`
 counts the positions whose head rows are computed from the target's features: after a
 proposal num_tokens (the chained rows drafted on the head's own output are rewritten next step).
 
@@ -64,6 +64,8 @@ class EagleProposer(Proposer):
                                     stop_confidence)
         # request id -> [(first position, [rows, features])], contiguous, ascending
         self._features: dict[str, list[tuple[int, torch.Tensor]]] = {}
+        # request id -> (position, g) of its last head row (to run it again: see _catch_up_rows)
+        self._last: dict[str, tuple[int, torch.Tensor]] = {}
         self.rows_without_features = 0
 
     # -- features ---------------------------------------------------------------------------
@@ -76,7 +78,8 @@ class EagleProposer(Proposer):
             if seq.params.speculative:
                 chunks = [(p, t[:max(start - p, 0)]) for p, t in
                           self._features.get(seq.request_id, []) if p < start]
-                chunks.append((start, hidden[offset:offset + n]))
+                # a copy: a view would keep the whole step's tensor alive
+                chunks.append((start, hidden[offset:offset + n].clone()))
                 self._features[seq.request_id] = chunks
             offset += n
 
@@ -85,7 +88,7 @@ class EagleProposer(Proposer):
         computed none), and forget those before hi."""
         out = torch.zeros((hi - lo, self.head.config.feature_size), dtype=self.dtype,
                           device=self.device)
-        missing = hi - lo
+        missing = hi - max(lo, 0)  # (position -1: the first token's row has none, by design)
         kept = []
         for p, t in self._features.get(seq.request_id, []):
             a, b = max(p, lo), min(p + len(t), hi, seq.num_computed_tokens)
@@ -102,7 +105,7 @@ class EagleProposer(Proposer):
         """The first position whose head row is due: after the computed ones, and never before
         the first position the target computed features for (a prefix-cache hit's shared
         blocks keep their rows)."""
-        lo = max(seq.num_draft_computed, 1)  # the token at 0 has no feature before it
+        lo = seq.num_draft_computed  # (the token at 0 has no feature before it: a zero one)
         chunks = self._features.get(seq.request_id)
         if chunks and chunks[0][0] + 1 > lo:
             return chunks[0][0]
@@ -111,8 +114,12 @@ class EagleProposer(Proposer):
     def waiting_rows(self, seq: Sequence) -> int:
         return sum(len(t) for _, t in self._features.get(seq.request_id, []))
 
+    def backlog(self, seq: Sequence) -> int:
+        return seq.num_tokens - self._first_row(seq)
+
     def forget(self, seq: Sequence) -> None:
         self._features.pop(seq.request_id, None)
+        self._last.pop(seq.request_id, None)
 
     # -- head forwards ------------------------------------------------------------------------
     def _forward(self, rows: list["_Rows"], keep_last: bool
@@ -145,10 +152,16 @@ class EagleProposer(Proposer):
         return h_last, out
 
     def _catch_up_rows(self, seq: Sequence, hi: int) -> "_Rows":
-        """The sequence's head rows from `_first_row` to position hi - 1 (then computed)."""
+        """The sequence's head rows from `_first_row` to position hi - 1 (then computed); with
+        none due, its last row again (a sequence the step's budget left out drafts again)."""
         lo = self._first_row(seq)
+        if lo >= hi:
+            at, g = self._last[seq.request_id]
+            return _Rows(seq.block_table, seq.num_prompt_tokens, seq.token_ids[at:at + 1], at,
+                         g)
         g = self.head.fc(self._take_features(seq, lo - 1, hi - 1))
         seq.num_draft_computed = hi
+        self._last[seq.request_id] = (hi - 1, g[-1:])
         return _Rows(seq.block_table, seq.num_prompt_tokens, seq.token_ids[lo:hi], lo, g)
 
     @torch.inference_mode()
@@ -213,7 +226,9 @@ class EagleProposer(Proposer):
     def _reserve(self, seq: Sequence, k: int) -> int:
         """Reserve the slots the head writes (positions up to num_tokens + k - 2); shrink k if
         the pool is short; 0 for a sequence with no head row to run."""
-        if seq.num_tokens <= self._first_row(seq):
+        last = self._last.get(seq.request_id)
+        if seq.num_tokens <= self._first_row(seq) and (
+                last is None or last[0] != seq.num_tokens - 1):
             return 0
         while k > 0 and not self.block_manager.allocate(seq, seq.num_tokens + k - 1):
             k -= 1

@@ -241,31 +241,36 @@ class Collector:
 # -- training-time test -------------------------------------------------------------------------
 def ttt_forward(head: EagleHead, embed: torch.nn.Module, ex: Example, steps: int
                 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per step j: (h [n_j, H], logits [n_j, Vd]) of chain origins p = 0..n_j - 1 (n_j =
-    T - 1 - j): step j's row p sits at position p + j + 1, reads the token there (and the
-    target's feature at p, or its own output of step j - 1) and predicts the next one."""
+    """Per step j: (h [n_j, H], logits [n_j, Vd]) of chain origins q = 0..n_j - 1 (n_j = T - j):
+    step j's row of origin q sits at position q + j, reads the token there and the target's
+    feature at q - 1 (step 0; a zero one for q = 0) or its own output of step j - 1, and
+    predicts the next token (the target's distribution at position q + j)."""
     c = head.config
     device = next(head.parameters()).device
+    dtype = head.fc.weight.dtype
     ids = ex.ids.to(device)
-    n = len(ids) - 1
-    g = head.fc(ex.features[:n].to(device=device, dtype=head.fc.weight.dtype))
+    n = len(ids)
+    features = ex.features[:n - 1].to(device=device, dtype=dtype)
+    g = head.fc(torch.cat([features.new_zeros((1, features.shape[1])), features]))
+    with torch.no_grad():
+        embedded = embed(ids)  # the target's embedding: not trained
     keys, values, out = [], [], []
     for j in range(steps):
         rows = n - j
         if rows <= 0:
             break
         g = g[:rows]
-        emb = embed(ids[j + 1:j + 1 + rows]).to(g.dtype)
-        q, k, v = head.qkv(emb, g, torch.arange(j + 1, j + 1 + rows, device=device))
+        q, k, v = head.qkv(embedded[j:j + rows].to(g.dtype), g,
+                           torch.arange(j, j + rows, device=device))
         keys.append(k)
         values.append(v)
-        # row p attends to the true prefix's rows 0..p (step 0) and its own chain's row of
-        # each later step
+        # origin q attends to the true prefix's rows 0..q (step 0) and its own chain's row
+        # of each later step
         kk = torch.cat([kk[:rows] if s else kk for s, kk in enumerate(keys)])
         vv = torch.cat([vv[:rows] if s else vv for s, vv in enumerate(values)])
-        p = torch.arange(rows, device=device)
-        causal = torch.arange(n, device=device)[None, :] <= p[:, None]
-        diag = (p[None, :] == p[:, None]).repeat(1, j)
+        origin = torch.arange(rows, device=device)
+        causal = torch.arange(n, device=device)[None, :] <= origin[:, None]
+        diag = (origin[None, :] == origin[:, None]).repeat(1, j)
         mask = torch.cat([causal, diag], dim=1)
         att = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None], kk.transpose(0, 1)[None], vv.transpose(0, 1)[None],
@@ -301,9 +306,9 @@ def step_losses(head: EagleHead, embed, ex: Example, labels: Labels, steps: int,
     """The example's training loss and each step's top-1 accuracy (trained rows)."""
     device = next(head.parameters()).device
     total, accuracy, weight = torch.zeros((), device=device), [], 0.0
-    n = len(ex.ids) - 1
+    n = len(ex.ids)
     for j, (h, logits) in enumerate(ttt_forward(head, embed, ex, steps)):
-        pos = torch.arange(j + 1, j + 1 + len(h))  # the positions whose next token it predicts
+        pos = torch.arange(j, j + len(h))  # where the target's distribution of its token is
         target, ok = labels.soft(ex, pos, logits.shape[1])
         ok &= ex.mask[pos]
         if not ok.any():
@@ -315,10 +320,11 @@ def step_losses(head: EagleHead, embed, ex: Example, labels: Labels, steps: int,
         weight += DECAY ** j
         top = labels.row[ex.top_ids[pos, 0].long()].to(device)
         accuracy.append(float((logits.argmax(1) == top)[ok_d].float().mean()))
-        if j == 0 and feature_loss > 0 and n > 1:
-            # EAGLE's regression: h_p should be what the next row's fused feature would be
+        if j == 0 and feature_loss > 0 and n > 2:
+            # EAGLE's regression: row q's h should be what the next row's fused feature is
             with torch.no_grad():
-                want = head.fc(ex.features[1:n].to(device=device, dtype=head.fc.weight.dtype))
+                want = head.fc(ex.features[:n - 1].to(device=device,
+                                                      dtype=head.fc.weight.dtype))
             rows = ok_d[:n - 1]
             total = total + feature_loss * F.smooth_l1_loss(h[:n - 1][rows].float(),
                                                             want[rows].float())
@@ -329,27 +335,30 @@ def step_losses(head: EagleHead, embed, ex: Example, labels: Labels, steps: int,
 def acceptance_lengths(head: EagleHead, embed, examples: list[Example], labels: Labels,
                        k: int) -> list[float]:
     """Per k' = 1..k: the mean tokens one verification of k' greedy drafts emits (accepted
-    + 1) over every answer position of `examples`, drafts compared with the target's top
-    token (its greedy pick)."""
-    sums, count = [0.0] * k, 0
+    + 1), over the answer positions of `examples` where greedy decoding would have emitted
+    the recorded tokens (each draft compared with the target's top token, and the chain fed
+    the recorded token only where it is that top token)."""
+    sums, counts = [0.0] * k, [0] * k
     for ex in examples:
         outs = ttt_forward(head, embed, ex, k)
-        if len(outs) < k:
+        rows = len(outs[-1][0]) if len(outs) == k else 0
+        if rows <= 0:
             continue
-        rows = len(outs[-1][0])
         run = torch.ones(rows, dtype=torch.bool)
-        valid = ex.mask[1:1 + rows].clone()
+        valid = torch.ones(rows, dtype=torch.bool)
         accepted = torch.zeros(rows)
         for j, (_, logits) in enumerate(outs):
-            pos = torch.arange(j + 1, j + 1 + rows)
-            top = labels.row[ex.top_ids[pos, 0].long()]
-            match = (logits[:rows].argmax(1).cpu() == top) & (top >= 0)
-            run &= match
+            pos = torch.arange(j, j + rows)
+            top = ex.top_ids[pos, 0].long()
+            greedy = ex.ids[pos + 1] == top if j + rows < len(ex.ids) else \
+                torch.cat([ex.ids[pos[:-1] + 1] == top[:-1], torch.zeros(1, dtype=torch.bool)])
+            run &= (logits[:rows].argmax(1).cpu() == labels.row[top]) & (labels.row[top] >= 0)
             valid &= ex.mask[pos]
             accepted += run.float()
             sums[j] += float(accepted[valid].sum())
-        count += int(valid.sum())
-    return [1.0 + s / max(count, 1) for s in sums]
+            counts[j] += int(valid.sum())
+            run &= greedy  # the next step's input is the recorded token: greedy's only here
+    return [1.0 + s / max(c, 1) for s, c in zip(sums, counts)]
 
 
 # -- the command --------------------------------------------------------------------------------
@@ -382,6 +391,7 @@ def train(opts: TrainOptions, model=None, tokenizer=None) -> dict:
     torch.manual_seed(opts.seed)
     engine = _engine(opts, model, tokenizer)
     target, tok = engine.runner.model, engine.tokenizer
+    target.requires_grad_(False)  # only the head learns
     if tok is None:
         raise ValueError("training a speculator needs the target's tokenizer")
     vocab = _draft_vocab(tok, opts.draft_vocab_size, engine.vocab_size)
@@ -392,8 +402,7 @@ def train(opts: TrainOptions, model=None, tokenizer=None) -> dict:
     prompts = [p[:opts.max_seq_len // 2] for p in prompts if p]
     held = min(opts.held_out, max(len(prompts) // 5, 1))
     collector = Collector(opts, engine, config.layers)
-    have = {s["first"]: s for s in collector.shards()}
-    answered = sum(len(s["examples"]) for s in have.values())
+    answered = sum(len(s["examples"]) for s in collector.shards())
     data_deadline = started + 60.0 * opts.minutes * opts.data_share
     if answered < len(prompts):
         collector.collect(prompts[answered:], answered,
@@ -459,8 +468,12 @@ def _fit(opts: TrainOptions, head: EagleHead, embed, examples: list[Example], la
     device = next(head.parameters()).device
     autocast = torch.autocast(device.type, dtype=torch.bfloat16,
                               enabled=device.type in ("cpu", "cuda"))
-    order = list(range(len(examples)))
-    random.Random(opts.seed + state["epochs"]).shuffle(order)
+    def epoch_order(epoch: int) -> list[int]:  # the same on a resume
+        order = list(range(len(examples)))
+        random.Random(opts.seed * 1000 + epoch).shuffle(order)
+        return order
+
+    order = epoch_order(state["epochs"])
     last_save = t0 = time.monotonic()
     seconds0 = state["seconds"]
     bar = _bar(round(max(deadline - t0, 0.0)), "training", opts.progress, "s")
@@ -473,7 +486,7 @@ def _fit(opts: TrainOptions, head: EagleHead, embed, examples: list[Example], la
             or state["epochs"] + state["at"] / max(len(order), 1) < opts.epochs):
         if state["at"] >= len(order):
             state["at"], state["epochs"] = 0, state["epochs"] + 1
-            random.Random(opts.seed + state["epochs"]).shuffle(order)
+            order = epoch_order(state["epochs"])
         ex = examples[order[state["at"]]]
         state["at"] += 1
         tokens = int(ex.mask.sum())
@@ -487,12 +500,7 @@ def _fit(opts: TrainOptions, head: EagleHead, embed, examples: list[Example], la
         state["tokens"] += tokens
         recent = (recent + [accuracy[0] if accuracy else 0.0])[-50:]
         if pending >= opts.batch_tokens:
-            for group in optimizer.param_groups:  # a short warm-up
-                group["lr"] = opts.lr * min(1.0, (state["steps"] + 1) / 10)
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            state["steps"] += 1
+            _optimizer_step(optimizer, params, opts.lr, state)
             pending = 0
         now = time.monotonic()
         bar.set_postfix(loss=f"{float(loss.detach()):.3f}",
@@ -508,6 +516,8 @@ def _fit(opts: TrainOptions, head: EagleHead, embed, examples: list[Example], la
             state["seconds"] = seconds0 + now - t0
             _checkpoint(ckpt, head, optimizer, state)
             last_save = time.monotonic()
+    if pending:  # the last, partial batch
+        _optimizer_step(optimizer, params, opts.lr, state)
     bar.close()
     head.eval()
     state["seconds"] = seconds0 + time.monotonic() - t0
@@ -515,6 +525,15 @@ def _fit(opts: TrainOptions, head: EagleHead, embed, examples: list[Example], la
     return {"train_steps": state["steps"], "train_epochs": state["epochs"],
             "train_seconds": state["seconds"], "trained_tokens": state["tokens"],
             "history": state["history"], "curve": state["curve"]}
+
+
+def _optimizer_step(optimizer, params, lr: float, state: dict) -> None:
+    for group in optimizer.param_groups:  # a short warm-up
+        group["lr"] = lr * min(1.0, (state["steps"] + 1) / 10)
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    state["steps"] += 1
 
 
 def _measure(state: dict, head: EagleHead, embed, evaluation: list[Example], labels: Labels,

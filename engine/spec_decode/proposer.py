@@ -58,6 +58,10 @@ class Proposer(ABC):
                       hidden: torch.Tensor) -> None:
         """The target's hidden states of its last pass (proposers that read them: a head)."""
 
+    def backlog(self, seq: Sequence) -> int:
+        """Tokens the proposer must catch up on before it drafts for `seq`."""
+        return seq.num_tokens - seq.num_draft_computed
+
     def absorb(self, seqs: list[Sequence]) -> None:
         """Sequences that draft nothing this step: a proposer that follows every sequence's
         tokens (a head's KV) may catch up on them."""

@@ -119,11 +119,10 @@ class Speculator(NoSpeculation):
                 n = seq.num_output_tokens
                 self._mean_output = n if self._mean_output is None else \
                     self._mean_output + OUTPUT_ALPHA * (n - self._mean_output)
-            if finished:
-                if self.proposer is not None:
-                    self.proposer.forget(seq)
-                if self.suffix is not None:
-                    self.suffix.finish(seq)
+            if self.proposer is not None:  # (a preempted one is recomputed)
+                self.proposer.forget(seq)
+            if finished and self.suffix is not None:
+                self.suffix.finish(seq)
         if self.suffix is not None:
             self.stats.suffix_cache_tokens = self.suffix.num_tokens
 
@@ -329,7 +328,8 @@ class Speculator(NoSpeculation):
         """Tokens the proposer must catch up on before it drafts for `seq`. A head runs its
         rows of the last verification's accepted tokens every step (up to k_max + 1, costed
         like a steady draft step); more is a catch-up (a prompt)."""
-        b = seq.num_tokens - seq.num_draft_computed
+        b = self.proposer.backlog(seq) if self.proposer is not None else \
+            seq.num_tokens - seq.num_draft_computed
         if self.method == "eagle" and b <= self.config.k_max + 1:
             return min(b, CATCH_UP_TOKENS)
         return b
