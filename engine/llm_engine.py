@@ -196,9 +196,10 @@ class LLMEngine:
         step_logits = self.runner.execute(
             [RunItem(s.token_ids, s.start, s.seq.block_table, s.num_sample_rows,
                      s.seq.num_prompt_tokens) for s in out.scheduled], drafts)
-        self.speculator.keep_features(
-            [(s.seq, s.start, len(s.token_ids) + s.num_drafts) for s in out.scheduled],
-            step_logits)
+        if step_logits.hidden is not None:  # a draft head's features (none: nothing to do)
+            self.speculator.keep_features(
+                [(s.seq, s.start, len(s.token_ids) + s.num_drafts) for s in out.scheduled],
+                step_logits)
         verified = self.verifier.verify(seqs, step_logits.logits, step_logits.row_offsets,
                                         drafts, masks)
         # a step without rows reads nothing back: on CUDA its time is then unknown

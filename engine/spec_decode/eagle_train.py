@@ -402,14 +402,16 @@ def train(opts: TrainOptions, model=None, tokenizer=None) -> dict:
     prompts = [p[:opts.max_seq_len // 2] for p in prompts if p]
     held = min(opts.held_out, max(len(prompts) // 5, 1))
     collector = Collector(opts, engine, config.layers)
-    answered = sum(len(s["examples"]) for s in collector.shards())
+    shards = collector.shards()  # (a rerun's saved answers: loaded once)
+    answered = sum(len(s["examples"]) for s in shards)
     data_deadline = started + 60.0 * opts.minutes * opts.data_share
     if answered < len(prompts):
         collector.collect(prompts[answered:], answered,
                           max(data_deadline, time.monotonic() + 1.0) if answered < held
                           else data_deadline, "generating")
     data_seconds = time.monotonic() - started
-    shards = collector.shards()
+    if answered < len(prompts):
+        shards = collector.shards()
     examples = [e for s in shards for e in s["examples"]]
     if len(examples) <= held:
         raise RuntimeError(f"only {len(examples)} conversations answered within the data "
