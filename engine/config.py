@@ -170,6 +170,10 @@ class EngineConfig:
     cuda_graphs: str = "auto"
     cuda_graph_batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64,
                                                                         128])
+    # split the target's attention heads and MLP over this many ranks (one process and one
+    # device each: cuda:0..N-1, or the CPU cores; engine/parallel/); rank 0 schedules, samples
+    # and runs the draft model or head. kv_cache_memory_gb is per rank.
+    tensor_parallel_size: int = 1
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     @classmethod
@@ -210,6 +214,9 @@ class EngineConfig:
         if not self.cuda_graph_batch_sizes or any(
                 not isinstance(b, int) or b < 1 for b in self.cuda_graph_batch_sizes):
             raise ValueError("invalid engine config cuda_graph_batch_sizes: positive integers")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"invalid engine config tensor_parallel_size: "
+                             f"{self.tensor_parallel_size!r}, must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("invalid engine config max_model_len: must be >= 2")
 

@@ -27,6 +27,7 @@ class EngineInfo:
     max_num_seqs: int
     batch_invariant: bool
     eos_token_ids: frozenset[int]
+    tensor_parallel_size: int = 1
 
     def labels(self) -> dict[str, str]:
         """The served configuration as metric labels (the engine's model name as
@@ -57,6 +58,8 @@ class EngineStats:
     accepted_per_pos: list[int] = field(default_factory=list)
     # tokens emitted by each verification with drafts since the previous snapshot
     recent_lengths: list[int] = field(default_factory=list)
+    # tensor parallelism: per rank (rank, alive, weight bytes, KV pool bytes); empty for one
+    ranks: list[tuple[int, bool, int, int]] = field(default_factory=list)
 
 
 def describe(engine) -> EngineInfo:
@@ -69,8 +72,10 @@ def describe(engine) -> EngineInfo:
         block_size=cfg.block_size, num_blocks=engine.block_manager.num_blocks,
         max_model_len=engine.max_model_len, vocab_size=engine.vocab_size,
         max_num_seqs=engine.scheduler.config.max_num_seqs,
-        batch_invariant=bool(invariance and invariance.invariant),
-        eos_token_ids=frozenset(engine.scheduler.eos_token_ids))
+        batch_invariant=bool(invariance and invariance.invariant
+                             and (engine.workers is None or engine.workers.reduce_invariant)),
+        eos_token_ids=frozenset(engine.scheduler.eos_token_ids),
+        tensor_parallel_size=cfg.tensor_parallel_size)
 
 
 def snapshot(engine) -> EngineStats:
@@ -81,6 +86,9 @@ def snapshot(engine) -> EngineStats:
         num_preemptions=engine.scheduler.stats.num_preemptions, prefix_queries=prefix.queries,
         prefix_hits=prefix.hits, grammar_requests=engine.num_grammar_requests,
         grammar_mask_seconds=engine.grammar_mask_seconds)
+    if engine.workers is not None:
+        stats.ranks = [(r.rank, r.alive, r.weight_bytes, r.kv_bytes)
+                       for r in engine.workers.ranks()]
     speculator = engine.speculator
     if speculator.enabled:
         st = speculator.stats

@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+import weakref
 
 import torch
 
@@ -39,11 +40,28 @@ log = logging.getLogger("specserve.engine")
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, model: torch.nn.Module | None = None,
                  tokenizer=None, draft_model: torch.nn.Module | None = None) -> None:
-        self.config = config = config or EngineConfig()
+        self.config = config or EngineConfig()
+        self.workers = None
+        try:
+            self._build(model, tokenizer, draft_model)
+        except BaseException:
+            self.close()  # tensor-parallel workers started before the failure
+            raise
+
+    def _build(self, model: torch.nn.Module | None, tokenizer,
+               draft_model: torch.nn.Module | None) -> None:
+        config = self.config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        elif config.tensor_parallel_size > 1:  # the ranks share the cores out
+            from engine.parallel.workers import threads_per_rank
+
+            self._threads_before = torch.get_num_threads()  # given back by `close`
+            torch.set_num_threads(threads_per_rank(config, torch.device("cpu")))
+        given = model  # whole: tensor-parallel workers take their shares of it
         model, tokenizer, draft_model = load_models(config, model, tokenizer, draft_model)
         self.tokenizer = tokenizer
+        self.workers = self._start_workers(given, model)
         models = [model] + ([draft_model] if draft_model is not None else [])
         head = load_speculator(config, model)  # a draft head reads the target's hidden states
         heads = (head,) if head is not None else ()
@@ -51,13 +69,17 @@ class LLMEngine:
         num_blocks = config.num_blocks or memory_plan.blocks_for_memory(config, models, heads)
         # on CUDA the pool is sized after measuring forwards on a small one (memory_plan.py)
         sized = config.num_blocks is None and plan.device.type == "cuda"
-        self.runner = plan.runner(model, memory_plan.profile_blocks(config) if sized
-                                  else num_blocks, config.block_size)
+        self.runner = self._target_runner(model, memory_plan.profile_blocks(config) if sized
+                                          else num_blocks)
         if head is not None:  # before the measured forwards: they return the features too
             self.runner.enable_capture(head.config.layers)
         if sized:
             num_blocks = memory_plan.plan_blocks(config, self.runner, models, heads)
             self.runner.resize_kv(num_blocks)
+            if self.workers is not None:
+                self.workers.resize_kv(num_blocks, self.runner.kv_bytes)
+        if self.workers is not None:
+            memory_plan.log_ranks(self.workers.ranks())
         self.vocab_size = self.runner.shape.vocab_size
         self.block_manager = BlockManager(num_blocks, config.block_size,
                                           config.enable_prefix_caching)
@@ -83,6 +105,52 @@ class LLMEngine:
                              tokenizer_size or self.vocab_size), head)
         self._grammars: Grammars | None = None  # built with the first grammar request
         self.num_grammar_requests = 0
+
+    def _start_workers(self, given: torch.nn.Module | None, model: torch.nn.Module):
+        """Tensor parallelism: ranks 1..N-1 started, joined and loaded (rank 0's share is
+        `model`); None for one rank. The workers stop with the engine (`close`)."""
+        if self.config.tensor_parallel_size == 1:
+            return None
+        from engine.parallel.workers import Workers, model_bytes
+
+        if given is not None and next(given.parameters()).device.type != "cpu":
+            raise ValueError("with tensor_parallel_size > 1, give the engine the whole target "
+                             "on the host: each rank moves its share to its own device")
+        workers = Workers(self.config, given, next(model.parameters()).device)
+        self._finalizer = weakref.finalize(self, workers.close)
+        try:
+            workers.wait_loaded(model_bytes(model))
+        except BaseException:
+            self._finalizer()
+            raise
+        return workers
+
+    def _target_runner(self, model: torch.nn.Module, num_blocks: int):
+        """The target's runner on a pool of `num_blocks`; with tensor parallelism every rank
+        builds its own (measuring its kernels' invariance at the same time) and rank 0's runs
+        each forward with them."""
+        if self.workers is None:
+            return self.plan.runner(model, num_blocks, self.config.block_size)
+        self.workers.start_runners(num_blocks)
+        runner = self.plan.runner(model, num_blocks, self.config.block_size)
+        runner.join_group(self.workers.group, self.workers)
+        self.workers.wait_runners(runner.kv_bytes)
+        return runner
+
+    def healthy(self) -> bool:
+        """The engine can run another step: its device works and, with tensor parallelism,
+        every rank is alive and in step."""
+        return device_io.healthy(self.device) and (self.workers is None
+                                                   or self.workers.healthy())
+
+    def close(self) -> None:
+        """Stop what the engine started beside it (tensor-parallel workers); the engine cannot
+        step afterwards. Idempotent."""
+        if self.workers is not None:
+            self._finalizer()
+        threads = self.__dict__.pop("_threads_before", None)
+        if threads is not None:
+            torch.set_num_threads(threads)
 
     @property
     def grammars(self) -> Grammars:
@@ -179,7 +247,7 @@ class LLMEngine:
             except Exception:  # noqa: BLE001 - state too broken to abort: reported as lost
                 log.exception("request %s: abort after a failed step failed", rid)
         live = list(self.scheduler.running) + list(self.scheduler.waiting)
-        intact = self.block_manager.consistent(live) and device_io.healthy(self.device)
+        intact = self.block_manager.consistent(live) and self.healthy()
         return StepError(ids, intact)
 
     def _step(self) -> list[RequestOutput]:

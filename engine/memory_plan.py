@@ -177,3 +177,11 @@ def _split_partials(cfg, models: list[torch.nn.Module], sizes: tuple[int, ...], 
     graphs = sum(split_partial_bytes(max(sizes) * tokens, h, d, most)
                  for h, d in shapes) if captured else 0
     return chunk, graphs
+
+
+def log_ranks(ranks) -> None:
+    """Tensor parallelism: each rank's share of the weights and its KV pool (every rank holds
+    its share of the KV heads for the same block ids; rank 0 also the draft's)."""
+    for r in ranks:
+        log.info("memory plan rank %d: weights %.2f GiB, KV pool %.2f GiB", r.rank,
+                 r.weight_bytes / GiB, r.kv_bytes / GiB)

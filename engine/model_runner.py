@@ -9,7 +9,9 @@ are its item's token ids, then its drafts of the forward's `Drafts`: host ids, o
 device holds, copied into the input ids there); per sequence a span
 (its rows, context length, block table) for attention. Logits are computed only at the rows
 whose next token is wanted (`logits_to_keep`), which also skips the vocabulary projection for
-the rest of a prompt chunk.
+the rest of a prompt chunk. With tensor parallelism (engine/parallel/) the model is one rank's
+share: rank 0's runner sends each forward's metadata and input ids to the other ranks, whose
+runners run the same forward with it (`follow`).
 """
 
 from __future__ import annotations
@@ -164,6 +166,26 @@ class ModelRunner:
         # the model's forward without transformers' module wrappers (same bits), where known
         self.lean = lean_forward.supported(model)
         self.capture: tuple[int, ...] = ()  # layers whose outputs each forward returns
+        # tensor parallelism (engine/parallel/): this rank's group, and on rank 0 the handle
+        # on the other ranks, which run every forward of this runner with it
+        self.group = None
+        self.workers = None
+
+    def join_group(self, group, workers=None) -> None:
+        """Run this runner's (split) model with the other ranks of `group`: its row-parallel
+        layers' outputs are summed over the group. Rank 0 passes `workers`, which it tells
+        about each forward before running it; the others call `follow`."""
+        if not self.lean:
+            raise ValueError(f"tensor parallelism runs the lean forward of Qwen2 and Llama "
+                             f"models, not {type(self.model).__name__}")
+        if self.static is not None:
+            raise RuntimeError("static steps do not run split over ranks")
+        self.group, self.workers = group, workers
+
+    @property
+    def kv_bytes(self) -> int:
+        """The KV pool's bytes on this runner's device."""
+        return sum(t.numel() * t.element_size() for t in (*self.kv.k, *self.kv.v))
 
     def enable_capture(self, layers: list[int]) -> None:
         """Return the outputs of `layers` at every new token with each step's logits (a draft
@@ -220,16 +242,18 @@ class ModelRunner:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor,
                 meta: paged.AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One forward over prepared inputs ([1, T] ids and positions, rows to keep); returns
-        the model's logits [1, len(keep), V] and, with `capture`, the captured layers' outputs
-        [T, features] (else None)."""
+        the model's logits [1, len(keep), V] (keep None: none, a tensor-parallel worker's)
+        and, with `capture`, the captured layers' outputs [T, features] (else None)."""
         calls = self.kv.layer_calls
         hidden = None
+        reduce = self.group.reduce if self.group is not None else None
         with self.kv.step(meta):
             if self.capture:
                 logits, hidden = lean_forward.forward(self.model, input_ids, positions, keep,
-                                                      self.capture)
+                                                      self.capture, reduce)
             elif self.lean:
-                logits = lean_forward.forward(self.model, input_ids, positions, keep)
+                logits = lean_forward.forward(self.model, input_ids, positions, keep,
+                                              reduce=reduce)
             else:
                 logits = self.model(input_ids=input_ids, position_ids=positions,
                                     attention_mask=self._no_mask, use_cache=False,
@@ -264,8 +288,43 @@ class ModelRunner:
             row_offsets.append(row_offsets[-1] + item.num_rows)
             q_start += n
         dev, long = self.device, torch.long
+        ids = input_ids(items, drafts, dev)
+        if self.workers is not None:
+            return self._execute_split(ids, positions, slot_mapping, spans, keep, row_offsets)
         logits, hidden = self.forward(
-            input_ids(items, drafts, dev), to_device([positions], long, dev),
-            to_device(keep, long, dev), self.kv.backend.build_metadata(spans, slot_mapping, bs,
-                                                                        dev))
+            ids, to_device([positions], long, dev), to_device(keep, long, dev),
+            self.kv.backend.build_metadata(spans, slot_mapping, bs, dev))
         return StepLogits(logits[0].float(), row_offsets, hidden)
+
+    def _execute_split(self, ids: torch.Tensor, positions: list[int], slot_mapping: list[int],
+                       spans: list[paged.SeqSpan], keep: list[int],
+                       row_offsets: list[int]) -> StepLogits:
+        """Rank 0's forward of a split model: the workers get the step's metadata and rank 0's
+        input ids, then every rank runs it (engine/parallel/workers.py). A failure part-way
+        leaves the workers inside the forward: the group is broken for good."""
+        from engine.parallel.workers import StepMeta
+
+        dev, long = self.device, torch.long
+        meta = StepMeta(np.asarray(positions, dtype=np.int64),
+                        np.asarray(slot_mapping, dtype=np.int64), spans)
+        self.workers.step(meta)
+        try:
+            self.group.broadcast(ids)
+            logits, hidden = self.forward(
+                ids, to_device(meta.positions[None], long, dev), to_device(keep, long, dev),
+                self.kv.backend.build_metadata(spans, slot_mapping, self.block_size, dev))
+        except BaseException as exc:
+            self.workers.fail(f"a forward failed on rank 0 ({type(exc).__name__}: {exc})")
+            raise
+        return StepLogits(logits[0].float(), row_offsets, hidden)
+
+    @torch.inference_mode()
+    def follow(self, meta) -> None:
+        """A worker's share of the forward rank 0 runs (`StepMeta`): its input ids come from
+        rank 0; no logits."""
+        dev, long = self.device, torch.long
+        ids = self.group.broadcast(torch.empty((1, len(meta.positions)), dtype=long,
+                                               device=dev))
+        self.forward(ids, to_device(meta.positions[None], long, dev), None,
+                     self.kv.backend.build_metadata(meta.spans, meta.slot_mapping.tolist(),
+                                                    self.block_size, dev))

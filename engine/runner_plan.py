@@ -40,6 +40,11 @@ class RunnerPlan:
         mode = config.cuda_graphs
         capture = mode == "auto" and device.type == "cuda"
         static = mode == "static" or capture
+        if static and config.tensor_parallel_size > 1:
+            if mode == "static":
+                raise ValueError("invalid engine config cuda_graphs: static steps do not run "
+                                 "with tensor_parallel_size > 1 (use auto or off)")
+            static = capture = False  # split forwards run eagerly
         if static and backend != "triton":
             if mode == "static":
                 raise ValueError("invalid engine config cuda_graphs: static steps need "

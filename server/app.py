@@ -79,7 +79,10 @@ def _add_probe_routes(app: FastAPI, state: ServerState) -> None:
     @app.api_route("/ready", methods=["GET", "HEAD"])
     async def ready():
         if state.ready:
-            return {"status": "ready", "model": state.model_name}
+            ranks = state.client.stats.ranks
+            return {"status": "ready", "model": state.model_name} | (
+                {"tensor_parallel": [{"rank": r, "alive": alive} for r, alive, *_ in ranks]}
+                if ranks else {})
         reason = "draining" if state.draining else "failed" if state.dead else "loading"
         return errors.error_response(503, f"not ready: {reason}", None, reason)
 

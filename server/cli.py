@@ -46,7 +46,8 @@ def _serve(args: argparse.Namespace) -> int:
     engine = {k: v for k, v in {
         "model": args.model, "device": args.device, "dtype": args.dtype,
         "num_threads": args.num_threads, "quantization": args.quantization,
-        "int4_kernel": args.int4_kernel}.items()
+        "int4_kernel": args.int4_kernel,
+        "tensor_parallel_size": args.tensor_parallel_size}.items()
         if v is not None}
     spec = {k: v for k, v in {"method": args.speculative, "draft_model": args.draft_model,
                               "speculator": args.speculator,
@@ -231,6 +232,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="CPU kernel of int4 linears: vnni (AVX-512 VNNI, int8 activations "
                           "as llama.cpp), torch (activations as they are), auto (vnni where "
                           "the CPU has it)")
+    srv.add_argument("--tensor-parallel-size", type=int,
+                     help="split the target's attention heads and MLP over this many ranks "
+                          "(one process per GPU, cuda:0..N-1; on the CPU, per core group); "
+                          "the draft model runs on rank 0")
     srv.add_argument("--speculative", choices=["none", "draft_model", "eagle", "ngram",
                                                      "suffix", "hybrid"],
                      help="speculation method")

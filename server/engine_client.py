@@ -52,7 +52,8 @@ class _Stream:
 
 
 class EngineClient:
-    def __init__(self, transport, info: EngineInfo, validate) -> None:
+    def __init__(self, transport, info: EngineInfo, validate,
+                 stats: EngineStats | None = None) -> None:
         self._transport, self.info, self._validate = transport, info, validate
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()  # _streams: the event loop adds, the receiver removes
@@ -62,15 +63,16 @@ class EngineClient:
         self.num_submitted = 0
         self.num_in_flight = 0
         self._finish_times: collections.deque[float] = collections.deque(maxlen=64)
-        self.stats = EngineStats()  # the latest snapshot
+        self.stats = stats or EngineStats()  # the latest snapshot
         self.step_listeners: list = []  # callables(EngineStats, outputs), receiver thread
 
     @classmethod
     def in_thread(cls, engine) -> EngineClient:
         """Run `engine` (an LLMEngine) in a thread of this process."""
-        from engine.engine_stats import describe
+        from engine.engine_stats import describe, snapshot
 
-        return cls(_ThreadTransport(engine), describe(engine), engine.validate)
+        return cls(_ThreadTransport(engine), describe(engine), engine.validate,
+                   snapshot(engine))
 
     @classmethod
     def in_process(cls, engine_config, tokenizer) -> EngineClient:
@@ -91,7 +93,7 @@ class EngineClient:
         def validate(prompt_ids, params):
             check_request(prompt_ids, params, info.vocab_size, info.max_model_len, grammars)
 
-        return cls(transport, info, validate)
+        return cls(transport, info, validate, transport.stats)
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -299,16 +301,18 @@ class _ProcessTransport:
         self._conn, child_conn = ctx.Pipe()
         self.process = ctx.Process(target=engine_process_main, name="specserve-engine",
                                    args=(engine_config, child_conn, logging.getLogger().level),
-                                   daemon=True)
+                                   # a daemonic process may not start processes: tensor-parallel
+                                   # ranks; without daemon it still ends with the pipe's end
+                                   daemon=engine_config.tensor_parallel_size == 1)
         self.process.start()
         log.info("engine process started (pid %d); loading the engine there", self.process.pid)
         child_conn.close()
-        self.info = self._wait_loaded()
+        self.info, self.stats = self._wait_loaded()
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._stopping = False
 
-    def _wait_loaded(self) -> EngineInfo:
+    def _wait_loaded(self) -> tuple[EngineInfo, EngineStats]:
         if not self._conn.poll(self.LOAD_TIMEOUT_S):
             self.process.kill()
             raise EngineLoadError("the engine process did not load within an hour")
@@ -383,7 +387,7 @@ def engine_process_main(engine_config, conn, log_level: int) -> None:
     logging.basicConfig(level=log_level or logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s")
     from engine import LLMEngine
-    from engine.engine_stats import describe
+    from engine.engine_stats import describe, snapshot
     from engine.models.loader import ModelLoadError
 
     try:
@@ -393,7 +397,7 @@ def engine_process_main(engine_config, conn, log_level: int) -> None:
             log.exception("the engine failed to load")
         conn.send(("failed", f"{type(exc).__name__}: {exc}"))
         return
-    conn.send(("loaded", describe(engine)))
+    conn.send(("loaded", (describe(engine), snapshot(engine))))
 
     def take(wait: bool) -> list[tuple]:
         messages = []

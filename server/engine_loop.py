@@ -81,6 +81,9 @@ class EngineLoop:
                 if self.engine.has_unfinished():
                     self._step()
                 elif time.monotonic() - self._published >= IDLE_PUBLISH_S:
+                    if not self.engine.healthy():  # a tensor-parallel rank died while idle
+                        self.send(("dead", f"the engine cannot go on: {self._why_unhealthy()}"))
+                        return
                     self._publish([])
         except StepError as exc:
             log.error("engine state lost after a failed step: %s", exc.__cause__)
@@ -88,6 +91,15 @@ class EngineLoop:
         except BaseException as exc:  # the loop itself failed
             log.exception("engine loop died")
             self.send(("dead", f"the engine loop stopped: {type(exc).__name__}: {exc}"))
+        finally:
+            self.engine.close()
+
+    def _why_unhealthy(self) -> str:
+        workers = self.engine.workers
+        if workers is None:
+            return "its device failed"
+        down = [r.rank for r in workers.ranks() if not r.alive]
+        return workers.broken or f"tensor-parallel rank(s) {down} exited"
 
     def _handle(self, message: tuple) -> None:
         kind = message[0]

@@ -91,6 +91,11 @@ class Metrics:
         self.spec_k = gauge("spec_decode_k", "Mean k chosen in the latest decoding step")
         self.suffix_cache_tokens = gauge("spec_decode_suffix_cache_tokens", "Finished "
                                          "requests' tokens held by the suffix cache")
+        self.rank_up = gauge("tensor_parallel_rank_up", "1 while a tensor-parallel rank is "
+                             "alive (one series per rank)", ["rank"])
+        self.rank_bytes = gauge("tensor_parallel_rank_memory_bytes", "A tensor-parallel "
+                                "rank's share of the target's weights and its KV pool",
+                                ["rank", "kind"])
         self.info = Info(P + "model", "Served model and configuration", registry=r)
         self._last: dict[str, int] = {}
         self._last_mask_seconds = 0.0
@@ -113,6 +118,10 @@ class Metrics:
         self._mirror("prefix_queries", self.prefix_queries, stats.prefix_queries)
         self._mirror("prefix_hits", self.prefix_hits, stats.prefix_hits)
         self._mirror("grammar_requests", self.grammar_requests, stats.grammar_requests)
+        for rank, alive, weight_bytes, kv_bytes in stats.ranks:
+            self.rank_up.labels(str(rank)).set(1 if alive else 0)
+            self.rank_bytes.labels(str(rank), "weights").set(weight_bytes)
+            self.rank_bytes.labels(str(rank), "kv_cache").set(kv_bytes)
         seconds = stats.grammar_mask_seconds
         if seconds > self._last_mask_seconds:
             self.grammar_mask_seconds.inc(seconds - self._last_mask_seconds)

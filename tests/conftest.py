@@ -41,13 +41,15 @@ def build_tokenizer(vocab_size: int = 320):
 
 def build_tiny_model(arch: str = "qwen2", vocab_size: int = 320, seed: int = 0,
                      num_layers: int = 2, dtype: torch.dtype = torch.float32,
-                     max_positions: int = 1024):
+                     max_positions: int = 1024, **config):
+    """config: overrides of the model config (num_attention_heads, intermediate_size...)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
                   num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=max_positions, eos_token_id=1, bos_token_id=None,
                   pad_token_id=None, tie_word_embeddings=False)
+    common.update(config)
     cfg_cls, model_cls = {"qwen2": (Qwen2Config, Qwen2ForCausalLM),
                           "llama": (LlamaConfig, LlamaForCausalLM)}[arch]
     torch.manual_seed(seed)

@@ -158,3 +158,24 @@ def test_keyed_noise_has_the_same_bits_on_cuda_as_on_the_cpu():
     keys = [noise_key(seed, t) for seed in (0, 7, 2**62) for t in (0, 1, 300)]
     cpu = keyed_uniforms(keys, 151_936, torch.device("cpu"))
     assert torch.equal(keyed_uniforms(keys, 151_936, torch.device("cuda")).cpu(), cpu)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+@pytest.mark.parametrize("method", ["draft_model", "suffix"])
+def test_two_gpu_tensor_parallel_greedy_with_speculation_equals_plain(method):
+    """NCCL, ranks on cuda:0 and cuda:1 (the target given on the host: each rank moves its
+    share); the draft model on rank 0's device."""
+    target = build_tiny_model("qwen2", dtype=torch.bfloat16, num_layers=3)
+    draft = build_tiny_model("qwen2", seed=1, dtype=torch.bfloat16, num_layers=1).cuda() \
+        if method == "draft_model" else None
+    prompts = random_prompts([5, 40, 17, 90, 3, 64], seed=3)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    eng = engine(target, method, draft, device="cuda", dtype="bfloat16",
+                 tensor_parallel_size=2)
+    try:
+        assert eng.workers.group.backend == "nccl" and eng.workers.reduce_invariant
+        plain = SamplingParams(**{**params.__dict__, "speculative": False})
+        expected = [eng.generate([p], plain)[0].output_token_ids for p in prompts]
+        assert [o.output_token_ids for o in staggered(eng, prompts, params)] == expected
+    finally:
+        eng.close()

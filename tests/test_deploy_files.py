@@ -3,6 +3,7 @@ the Grafana dashboard and provisioning, and the rendered nginx config."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import runpy
@@ -13,6 +14,47 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
+TP_K8S = DEPLOY / "k8s" / "tensor-parallel"  # not applied by `kubectl apply -f deploy/k8s/`
+TP_FLAG = "--tensor-parallel-size"
+SINGLE_GPU_SERVICES = ("specserve-1", "specserve-2")
+
+
+def _k8s_docs(folder: Path) -> dict:
+    """The manifests of one folder by kind (one object of each kind per folder)."""
+    docs = {}
+    for path in sorted(folder.glob("*.yaml")):
+        doc = yaml.safe_load(path.read_text())
+        assert {"apiVersion", "kind", "metadata"} <= set(doc), path
+        assert doc["kind"] not in docs, f"a second {doc['kind']} in {folder}: {path.name}"
+        docs[doc["kind"]] = doc
+    return docs
+
+
+def _selects(selector: dict, labels: dict) -> bool:
+    """A Kubernetes label selector (matchLabels, matchExpressions) against a pod's labels."""
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for e in selector.get("matchExpressions", []):
+        present, value = e["key"] in labels, labels.get(e["key"])
+        ok = {"In": present and value in e.get("values", []),
+              "NotIn": not present or value not in e.get("values", []),
+              "Exists": present, "DoesNotExist": not present}[e["operator"]]
+        if not ok:
+            return False
+    return True  # an empty selector selects every pod
+
+
+def _bytes(quantity: str) -> int:
+    """A k8s quantity ("8Gi") or a compose size ("8gb") in bytes."""
+    m = re.fullmatch(r"(\d+)\s*([kmgt]?)(i?)b?", str(quantity).strip().lower())
+    assert m, quantity
+    base = 1024 if m.group(3) or "b" in str(quantity).lower() else 1000
+    return int(m.group(1)) * base ** " kmgt".index(m.group(2) or " ")
+
+
+def _without_tp(args: list[str]) -> list[str]:
+    i = args.index(TP_FLAG)
+    return args[:i] + args[i + 2:]
 
 
 @pytest.fixture(scope="module")
@@ -106,11 +148,7 @@ def test_compose_services_ports_and_health(routes, default_config):
 
 
 def test_k8s_manifests(routes):
-    docs = {}
-    for path in sorted((DEPLOY / "k8s").glob("*.yaml")):
-        doc = yaml.safe_load(path.read_text())
-        assert {"apiVersion", "kind", "metadata"} <= set(doc), path
-        docs[doc["kind"]] = doc
+    docs = _k8s_docs(DEPLOY / "k8s")  # what `kubectl apply -f deploy/k8s/` creates
     assert {"Deployment", "Service", "HorizontalPodAutoscaler", "PodMonitor", "ConfigMap",
             "PersistentVolumeClaim"} <= set(docs)
     dep = docs["Deployment"]
@@ -132,6 +170,8 @@ def test_k8s_manifests(routes):
     hpa = docs["HorizontalPodAutoscaler"]
     assert hpa["spec"]["scaleTargetRef"]["name"] == dep["metadata"]["name"]
     assert docs["PodMonitor"]["spec"]["podMetricsEndpoints"][0]["path"] == "/metrics"
+    assert _selects(docs["PodMonitor"]["spec"]["selector"], dep["spec"]["template"]["metadata"][
+        "labels"])
     # metrics on their own port, scraped on the pods and not exposed by the Service
     metrics_port = {p["name"]: p["containerPort"] for p in container["ports"]}["metrics"]
     assert metrics_port == config["server"]["metrics_port"]
@@ -160,3 +200,101 @@ def test_dockerfile(routes):
     assert "g++" in runtime and "python3-dev" in runtime
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert ".venv" in ignored and ".git" in ignored
+
+
+def test_k8s_tensor_parallel_manifests(routes):
+    """deploy/k8s/tensor-parallel/: the single-GPU Deployment's pod on N GPUs, with its own
+    Service; the config map, the model volume and the PodMonitor are shared."""
+    base = _k8s_docs(DEPLOY / "k8s")
+    docs = _k8s_docs(TP_K8S)
+    assert set(docs) == {"Deployment", "Service"}
+    dep, svc, base_dep = docs["Deployment"], docs["Service"], base["Deployment"]
+    pod, base_pod = dep["spec"]["template"]["spec"], base_dep["spec"]["template"]["spec"]
+    container, base_container = pod["containers"][0], base_pod["containers"][0]
+    assert len(pod["containers"]) == 1 and dep["spec"]["replicas"] == 1  # all ranks, one pod
+
+    # N GPUs in the pod = --tensor-parallel-size N; otherwise the single-GPU server's args
+    args = container["args"]
+    n = int(args[args.index(TP_FLAG) + 1])
+    assert n > 1 and container["resources"]["limits"]["nvidia.com/gpu"] == n
+    assert _without_tp(args) == base_container["args"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["config"] == base_pod["volumes"][1] and volumes["config"]["configMap"][
+        "name"] == base["ConfigMap"]["metadata"]["name"]
+    config = yaml.safe_load(base["ConfigMap"]["data"]["config.yaml"])
+    assert config["engine"]["device"] == "cuda"  # rank r takes cuda:r
+    claim = volumes["models"]["persistentVolumeClaim"]["claimName"]
+    assert claim == base["PersistentVolumeClaim"]["metadata"]["name"]
+
+    # a memory-backed /dev/shm, larger than the runtime's 64 MiB, inside the memory limit
+    shm = [m for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+    assert len(shm) == 1
+    empty_dir = volumes[shm[0]["name"]]["emptyDir"]
+    assert empty_dir["medium"] == "Memory"
+    size = _bytes(empty_dir["sizeLimit"])
+    assert 2**30 <= size < _bytes(container["resources"]["limits"]["memory"])
+    assert [m for m in container["volumeMounts"] if m not in shm] == base_container["volumeMounts"]
+
+    # the same probes, drain and ports as the single-GPU pods (a dead rank: /health 503)
+    assert container["readinessProbe"]["httpGet"]["path"] == "/ready" in routes
+    assert container["livenessProbe"]["httpGet"]["path"] == "/health" in routes
+    assert container["startupProbe"]["httpGet"]["path"] in routes
+    for key in ("image", "env", "ports", "startupProbe", "livenessProbe", "readinessProbe",
+                "lifecycle"):
+        assert container[key] == base_container[key], key
+    for key in ("terminationGracePeriodSeconds", "securityContext", "initContainers"):
+        assert pod[key] == base_pod[key], key
+    template = dep["spec"]["template"]["metadata"]
+    assert template["annotations"] == base_dep["spec"]["template"]["metadata"]["annotations"]
+
+    # its own Service; the single-GPU Service and HPA do not take these pods, the PodMonitor does
+    labels = template["labels"]
+    assert dep["spec"]["selector"]["matchLabels"] == labels == svc["spec"]["selector"]
+    assert dep["metadata"]["name"] != base_dep["metadata"]["name"]
+    assert svc["metadata"]["name"] != base["Service"]["metadata"]["name"]
+    assert not _selects({"matchLabels": base["Service"]["spec"]["selector"]}, labels)
+    assert not _selects(base_dep["spec"]["selector"], labels)
+    assert _selects(base["PodMonitor"]["spec"]["selector"], labels)
+    assert svc["spec"]["ports"] == base["Service"]["spec"]["ports"]
+    assert all(p["targetPort"] != "metrics" for p in svc["spec"]["ports"])
+
+
+def test_compose_tensor_parallel_service():
+    """specserve-tp: the replicas' service on N GPUs, only with the profile `tp`."""
+    services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    tp, base = services["specserve-tp"], services[SINGLE_GPU_SERVICES[0]]
+    assert tp["profiles"] == ["tp"]
+    assert all("profiles" not in svc for name, svc in services.items() if name != "specserve-tp")
+    cmd = tp["command"]
+    n = int(cmd[cmd.index(TP_FLAG) + 1])
+    assert n > 1 and cmd[cmd.index("--device") + 1] == "cuda"
+    assert [a for a in _without_tp(cmd) if a not in ("--device", "cuda")] == base["command"]
+    gpus = tp["deploy"]["resources"]["reservations"]["devices"]
+    assert gpus == [{"driver": "nvidia", "count": n, "capabilities": ["gpu"]}]
+    assert tp.get("ipc") == "host" or _bytes(tp["shm_size"]) >= 2**30
+    for key in ("image", "environment", "volumes", "depends_on", "restart", "stop_grace_period",
+                "healthcheck"):
+        assert tp[key] == base[key], key
+    # not behind nginx: published on this host only (/metrics is on the API port here)
+    assert tp["ports"] and all(p.startswith("127.0.0.1:") for p in tp["ports"])
+
+
+def test_deploy_args_are_serve_flags():
+    """The server args in compose and k8s parse with `specserve serve`'s own parser."""
+    from server.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    serve = sub.choices["serve"]
+    known = {flag for action in serve._actions for flag in action.option_strings}
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    arg_lists = {f"compose {name}": compose[name]["command"]
+                 for name in (*SINGLE_GPU_SERVICES, "specserve-tp")}
+    for folder in (DEPLOY / "k8s", TP_K8S):
+        dep = _k8s_docs(folder)["Deployment"]
+        arg_lists[f"k8s {dep['metadata']['name']}"] = dep["spec"]["template"]["spec"][
+            "containers"][0]["args"]
+    for where, args in arg_lists.items():
+        assert [a for a in args if a.startswith("--") and a not in known] == [], where
+        parsed = serve.parse_args(args)
+        if TP_FLAG in args:
+            assert parsed.tensor_parallel_size == int(args[args.index(TP_FLAG) + 1]) > 1, where

@@ -68,6 +68,7 @@ _measured: dict[tuple, object] = {}  # per process: a shape is measured once
 
 
 def _once(key: tuple, measure):
+    key = (*key, torch.get_num_threads())  # kernels may split work by the threads they have
     if key not in _measured:
         _measured[key] = measure()
     return _measured[key]

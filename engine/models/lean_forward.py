@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+from collections.abc import Callable
 
 import torch
 
@@ -29,6 +30,10 @@ def supported(model: torch.nn.Module) -> bool:
     return type(model).__name__ in SUPPORTED
 
 
+def _whole(x: torch.Tensor) -> torch.Tensor:  # an unsplit model's layer output is whole
+    return x
+
+
 @functools.cache
 def _rotary(model_class: str):
     arch = SUPPORTED[model_class]
@@ -37,11 +42,15 @@ def _rotary(model_class: str):
 
 
 def forward(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
-            keep: torch.Tensor, capture: tuple[int, ...] = ()
-            ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+            keep: torch.Tensor | None, capture: tuple[int, ...] = (),
+            reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+            ) -> torch.Tensor | None | tuple[torch.Tensor, torch.Tensor]:
     """Logits [1, len(keep), V] of a paged forward (the runner has made its cache active);
-    with `capture` (layer indices) also the outputs of those layers at every row,
-    concatenated: [T, len(capture) * hidden] (what a draft head reads)."""
+    keep None: no logits (a tensor-parallel rank that does not sample); with `capture` (layer
+    indices) also the outputs of those layers at every row, concatenated:
+    [T, len(capture) * hidden] (what a draft head reads). `reduce`: a split model's sum over
+    ranks of the row-parallel layers' partial outputs (engine/parallel/group.py)."""
+    reduce = reduce or _whole
     apply_rotary = _rotary(type(model).__name__)
     inner = model.model
     h = inner.embed_tokens.forward(input_ids)
@@ -57,12 +66,14 @@ def forward(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch
         v = attn.v_proj.forward(x).view(shape).transpose(1, 2)
         q, k = apply_rotary(q, k, cos, sin)
         o, _ = paged_attention_forward(attn, q, k, v, None, scaling=attn.scaling)
-        h = h + attn.o_proj.forward(o.reshape(1, tokens, -1).contiguous())
+        h = h + reduce(attn.o_proj.forward(o.reshape(1, tokens, -1).contiguous()))
         x = layer.post_attention_layernorm.forward(h)
-        h = h + mlp.down_proj.forward(mlp.act_fn(mlp.gate_proj.forward(x))
-                                      * mlp.up_proj.forward(x))
+        h = h + reduce(mlp.down_proj.forward(mlp.act_fn(mlp.gate_proj.forward(x))
+                                             * mlp.up_proj.forward(x)))
         if index in capture:
             captured[index] = h[0]
+    if keep is None:
+        return None
     h = inner.norm.forward(h)
     logits = model.lm_head.forward(h[:, keep, :])
     if capture:

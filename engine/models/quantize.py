@@ -214,6 +214,26 @@ def _set_module(model: torch.nn.Module, name: str, module: torch.nn.Module) -> N
     setattr(model.get_submodule(parent) if parent else model, attr, module)
 
 
+def _slice_groups(linear: torch.nn.Module, codes: torch.Tensor, scale: torch.Tensor,
+                  offset: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A whole layer's stored groups (codes [N, K], scale/offset [N, K / GROUP_SIZE]) cut to
+    the share a tensor-parallel rank keeps of it (engine/parallel/shard.py records it as the
+    layer's `tp_rows`, output rows, or `tp_cols`, input columns); unchanged for a whole
+    layer."""
+    rows = getattr(linear, "tp_rows", None)
+    if rows is not None:
+        return codes[rows], scale[rows], offset[rows]
+    cols = getattr(linear, "tp_cols", None)
+    if cols is None:
+        return codes, scale, offset
+    start, end = cols
+    if start % GROUP_SIZE or end % GROUP_SIZE:
+        raise ValueError(f"int4 groups of {GROUP_SIZE} cannot be split at input columns "
+                         f"{start}:{end}")
+    groups = slice(start // GROUP_SIZE, end // GROUP_SIZE)
+    return codes[:, start:end], scale[:, groups], offset[:, groups]
+
+
 def quantize_model(model: torch.nn.Module, mode: str, source: str | Path | None = None,
                    stored: StoredGGUF | None = None, int4_kernel: str = "auto",
                    dtype: torch.dtype | None = None) -> dict[str, int]:
@@ -237,6 +257,8 @@ def quantize_model(model: torch.nn.Module, mode: str, source: str | Path | None 
             counts["unchanged"] += 1
             continue
         groups = stored.int4_groups(name) if mode == "int4" and stored is not None else None
+        if groups is not None:
+            groups = _slice_groups(linear, *groups)
         if groups is not None and groups[0].shape != linear.weight.shape:
             raise ValueError(f"{name}: stored GGUF codes {tuple(groups[0].shape)} do not match "
                              f"the model's weight {tuple(linear.weight.shape)}")
