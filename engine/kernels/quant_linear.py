@@ -235,20 +235,27 @@ class Int4Linear(torch.nn.Module):
                           "torch")
 
     def _torch_codes(self) -> torch.Tensor:
-        """[N, K] codes back from torch's CPU packing ([N/64, K, 32] bytes: the low nibble of
-        byte j holds output row j of the block of 64, the high one row 32 + j), checked by
-        packing them again: the layout is torch's, not ours."""
+        """[N, K] codes back from torch's CPU packing, checked by packing them again (the
+        layout is torch's, not ours, and depends on the CPU): blocks of B output rows as
+        [N/B, K, B/2] bytes, the low nibble of byte j holding row j of the block and the high
+        one row B/2 + j; B = 64 where torch uses AVX-512, 32 where it uses AVX2."""
         n, k, packed = self.out_features, self.in_features, self.weight_packed
-        if packed.is_cuda or n % 64 or packed.shape != (n, k // 2):
-            raise ValueError("rows of an int4 layer can be selected with torch's kernel on the "
-                             "CPU for output features in multiples of 64 only")
-        v = packed.reshape(n // 64, k, 32)
-        codes = torch.cat([v & 0xF, v >> 4], dim=2).transpose(1, 2).reshape(n, k)
+        if not packed.is_cuda and packed.shape == (n, k // 2):
+            for rows in (64, 32):
+                if n % rows:
+                    continue
+                v = packed.reshape(n // rows, k, rows // 2)
+                codes = torch.cat([v & 0xF, v >> 4], dim=2).transpose(1, 2).reshape(n, k)
+                if self._packs_to(codes):
+                    return codes
+        raise ValueError("rows of an int4 layer can be selected with torch's kernel on the CPU "
+                         "only, for output features in multiples of its blocks (32 or 64 "
+                         "rows) and a packing read as above")
+
+    def _packs_to(self, codes: torch.Tensor) -> bool:
         again = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
-        if not torch.equal(again, packed):
-            raise ValueError("this torch packs int4 weights in another layout; rows of an int4 "
-                             "layer cannot be selected with torch's kernel")
-        return codes
+        return again.shape == self.weight_packed.shape and torch.equal(again,
+                                                                       self.weight_packed)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
