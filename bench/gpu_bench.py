@@ -18,6 +18,8 @@ Cases, prompt 512 random tokens, 256 new tokens, greedy, ignore_eos:
   bandwidth, per batch size;
 - split-KV attention (`attention_kv_split` 512 against 0) at prompt 4096, 64 new tokens,
   batch 1 and 8, decode tokens/s (CUDA only: the triton backend);
+- tensor parallelism, where the machine has 2 GPUs: the 1.5B shape over 2 ranks against 1,
+  eager, batch 1 and 32 (RESULT `tp2_vs_tp1_b1`, reported);
 - speculation at batch 1: the target's own weights as draft with k = 4 fixed, against the
   ideal its measured forward costs allow ((k + 1) tokens per target pass of k + 1 tokens plus
   k draft forwards of one); an unrelated random draft with adaptive k, against plain.
@@ -31,6 +33,7 @@ script works, not a measurement. Prints a table and a RESULT line; writes --out.
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import json
 import sys
@@ -203,6 +206,41 @@ def forward_seconds(runner, ctx: int, tokens: int, clock: Clock, reps: int = 10)
     return (clock() - t0) / reps
 
 
+def tensor_parallel(device: torch.device, args, clock: Clock, rows: list, result: dict) -> None:
+    """The 1.5B shape split over 2 ranks against 1, both eager (split forwards run without
+    CUDA graphs), batch 1 and 32: where the machine has 2 GPUs (or, with --smoke, 2 CPU
+    cores). The whole model is built on the host: each rank moves its share to its device."""
+    from engine.parallel.shard import devices
+
+    if devices(device) < 2 or (device.type == "cpu" and not args.smoke):
+        return
+    shape = "qwen2.5-coder-1.5b"
+    model = build(shape, torch.device("cpu"), 0, args.smoke)
+    for size in (1, 2):
+        try:
+            engine = LLMEngine(EngineConfig(
+                device=str(device), dtype="bfloat16", max_num_seqs=32,
+                max_num_batched_tokens=8192, kv_cache_memory_gb=args.kv_gb / 2,
+                enable_prefix_caching=False, cuda_graphs="off", tensor_parallel_size=size),
+                model=model if size > 1 else copy.deepcopy(model).to(device))
+        except Exception as exc:  # noqa: BLE001 - said in the results, the rest still runs
+            rows.append((shape, f"ours, tensor_parallel_size {size}: failed to start "
+                         f"({type(exc).__name__}: {exc})", 1, None, None, None))
+            print(rows[-1], flush=True)
+            return
+        try:
+            for b in (1, 32 if not args.smoke else 4):
+                r = ours(engine, b, args, clock, seed=b)
+                rows.append((shape, f"ours, eager, tensor_parallel_size {size}", b,
+                             r["decode_tok_s"], None, r["e2e_tok_s"]))
+                result[f"tp{size}_b{b}"] = r["decode_tok_s"]
+                print(rows[-1], flush=True)
+        finally:
+            engine.close()
+            del engine
+            gc.collect()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(ROOT / "bench/results/gpu/gpu_bench.md"))
@@ -322,6 +360,8 @@ def main() -> int:
     result["spec_off"] = r["decode_tok_s"] / p["decode_tok_s"]
     print(rows[-2:], flush=True)
 
+    tensor_parallel(device, args, clock, rows, result)
+
     def f(x):
         return "" if x is None else f"{x:.1f}"
 
@@ -336,6 +376,8 @@ def main() -> int:
             f"{'n/a' if cb is None else format(result[f'ours_e2e_b{cb_batch}'] / cb, '.2f')} "
             f"spec_ideal_fraction={result['spec_ideal']:.2f} "
             f"spec_off_ratio={result['spec_off']:.2f}")
+    if "tp2_b1" in result and "tp1_b1" in result:  # reported: TP buys memory, not speed here
+        line += f" tp2_vs_tp1_b1={result['tp2_b1'] / result['tp1_b1']:.2f}"
     if "split512_b1" in result:  # not a target: decides attention_kv_split's default
         line += (f" split_kv_b1_long={result['split512_b1'] / result['split0_b1']:.2f}"
                  f" split_kv_b8_long={result['split512_b8'] / result['split0_b8']:.2f}")

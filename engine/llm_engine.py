@@ -61,11 +61,11 @@ class LLMEngine:
         given = model  # whole: tensor-parallel workers take their shares of it
         model, tokenizer, draft_model = load_models(config, model, tokenizer, draft_model)
         self.tokenizer = tokenizer
+        self.plan = plan = RunnerPlan.resolve(config, next(model.parameters()).device)
         self.workers = self._start_workers(given, model)
         models = [model] + ([draft_model] if draft_model is not None else [])
         head = load_speculator(config, model)  # a draft head reads the target's hidden states
         heads = (head,) if head is not None else ()
-        self.plan = plan = RunnerPlan.resolve(config, next(model.parameters()).device)
         num_blocks = config.num_blocks or memory_plan.blocks_for_memory(config, models, heads)
         # on CUDA the pool is sized after measuring forwards on a small one (memory_plan.py)
         sized = config.num_blocks is None and plan.device.type == "cuda"

@@ -79,6 +79,28 @@ def test_speculation_under_two_ranks_equals_plain_alone_and_batched(target, draf
         engine.close()
 
 
+@pytest.mark.parametrize("method", ["eagle", "hybrid"])
+def test_a_draft_head_reads_the_split_targets_features_and_stays_exact(tmp_path, method):
+    """The head on rank 0 reads the whole hidden states (every rank has them after each
+    reduce), and is accepted for the target it was made for although rank 0 holds a share."""
+    from engine.spec_decode.eagle import EagleHead, head_config, initialize_from_target, save_head
+
+    target = build_tiny_model("qwen2", num_layers=4)
+    head = EagleHead(head_config(target, "tiny", list(range(320))))
+    initialize_from_target(head, target)
+    save_head(head, str(tmp_path / "head"))
+    engine = make_engine(target, method, speculator=str(tmp_path / "head"), k_max=3,
+                         tensor_parallel_size=2)
+    try:
+        prompts = _prompts()
+        plain = _run(engine, prompts, _plain(GREEDY), batched=False)
+        assert _run(engine, prompts, GREEDY, batched=True) == plain
+        drafted = {m: c[1] for m, c in engine.speculator.stats.by_method.items()}
+        assert drafted.get("eagle" if method == "eagle" else "suffix", 0) > 0, drafted
+    finally:
+        engine.close()
+
+
 def _logits(engine, prompts):
     """The target's logits at every position of `prompts`, one forward of all of them."""
     items, at = [], 0

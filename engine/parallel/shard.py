@@ -165,8 +165,8 @@ def shard_model(model: torch.nn.Module, rank: int, size: int,
                 owned: bool = True) -> torch.nn.Module:
     """`model` with only rank `rank`'s share of its attention and MLP linears (a copy unless
     `owned`); its config then describes the shard (heads, KV heads, MLP size per rank), so the
-    KV cache, the memory plan and the batch-invariance check see what the rank computes.
-    `model.tensor_parallel` = (rank, size)."""
+    KV cache, the memory plan and the batch-invariance check see what the rank computes; the
+    whole model's is `model.unsplit_config`. `model.tensor_parallel` = (rank, size)."""
     if not owned:
         model = copy.deepcopy(model)
     shape = shard_shape(model.config, size)
@@ -187,6 +187,6 @@ def shard_model(model: torch.nn.Module, rank: int, size: int,
     text = text_config(cfg)
     text.num_attention_heads, text.num_key_value_heads = shape.heads, shape.kv_heads
     text.head_dim, text.intermediate_size = shape.head_dim, shape.intermediate
-    model.config = cfg
+    model.unsplit_config, model.config = model.config, cfg
     model.tensor_parallel = (rank, size)
     return model

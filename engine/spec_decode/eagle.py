@@ -64,7 +64,9 @@ class HeadConfig:
 
 
 def target_shape(model: nn.Module) -> dict:
-    cfg = model.config.get_text_config()
+    """The whole target's numbers (a tensor-parallel rank's share keeps its whole config as
+    `unsplit_config`: engine/parallel/shard.py)."""
+    cfg = getattr(model, "unsplit_config", model.config).get_text_config()
     return {"model_type": cfg.model_type, "hidden_size": cfg.hidden_size,
             "num_hidden_layers": cfg.num_hidden_layers, "vocab_size": cfg.vocab_size,
             "num_attention_heads": cfg.num_attention_heads}
