@@ -73,7 +73,7 @@ def describe(engine) -> EngineInfo:
         max_model_len=engine.max_model_len, vocab_size=engine.vocab_size,
         max_num_seqs=engine.scheduler.config.max_num_seqs,
         batch_invariant=bool(invariance and invariance.invariant
-                             and (engine.workers is None or engine.workers.reduce_invariant)),
+                             and (engine.workers is None or engine.workers.invariant)),
         eos_token_ids=frozenset(engine.scheduler.eos_token_ids),
         tensor_parallel_size=cfg.tensor_parallel_size)
 

@@ -23,6 +23,7 @@ from engine.config import EngineConfig
 from engine.errors import InvalidRequestError, StepError
 from engine.model_runner import RunItem
 from engine.models.draft import draft_vocabulary
+from engine.models.loader import resolve_device
 from engine.models.pair import eos_token_ids, load_models, load_speculator
 from engine.outputs import RequestOutput, request_output
 from engine.request_check import check_request
@@ -57,7 +58,7 @@ class LLMEngine:
             from engine.parallel.workers import threads_per_rank
 
             self._threads_before = torch.get_num_threads()  # given back by `close`
-            torch.set_num_threads(threads_per_rank(config, torch.device("cpu")))
+            torch.set_num_threads(threads_per_rank(config, resolve_device(config.device)))
         given = model  # whole: tensor-parallel workers take their shares of it
         model, tokenizer, draft_model = load_models(config, model, tokenizer, draft_model)
         self.tokenizer = tokenizer
@@ -74,7 +75,8 @@ class LLMEngine:
         if head is not None:  # before the measured forwards: they return the features too
             self.runner.enable_capture(head.config.layers)
         if sized:
-            num_blocks = memory_plan.plan_blocks(config, self.runner, models, heads)
+            num_blocks = memory_plan.plan_blocks(config, self.runner, models, heads,
+                                                 plan.capture)
             self.runner.resize_kv(num_blocks)
             if self.workers is not None:
                 self.workers.resize_kv(num_blocks, self.runner.kv_bytes)
@@ -144,8 +146,8 @@ class LLMEngine:
                                                    or self.workers.healthy())
 
     def close(self) -> None:
-        """Stop what the engine started beside it (tensor-parallel workers); the engine cannot
-        step afterwards. Idempotent."""
+        """Stop what the engine started beside it (tensor-parallel workers: a split engine
+        cannot step afterwards); give back the torch threads it took. Idempotent."""
         if self.workers is not None:
             self._finalizer()
         threads = self.__dict__.pop("_threads_before", None)

@@ -135,12 +135,13 @@ def max_model_len(config, model: torch.nn.Module, num_blocks: int) -> int:
     return min(limit, num_blocks * config.block_size)
 
 
-def plan_blocks(cfg, runner, models: list[torch.nn.Module], heads: tuple = ()) -> int:
+def plan_blocks(cfg, runner, models: list[torch.nn.Module], heads: tuple = (),
+                captured: bool = True) -> int:
     """CUDA: the pool's blocks once weights, the largest step and the CUDA graphs are
     accounted (`runner`: the target's, on a profile pool of `profile_blocks`; `heads`: a draft
-    head, loaded already, whose KV shares the block ids)."""
+    head, loaded already, whose KV shares the block ids; `captured`: the runner plan captures
+    CUDA graphs)."""
     device, tokens = runner.device, static_tokens(cfg)
-    captured = cfg.cuda_graphs == "auto" and runner.attention_backend == "triton"
     sizes = tuple(cfg.cuda_graph_batch_sizes) if captured else ()
     chunk_peak, bucket_peak = measure_step_peak(
         runner, cfg.max_num_batched_tokens, max(sizes, default=cfg.max_num_seqs), tokens,

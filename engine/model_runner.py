@@ -1,7 +1,7 @@
 """Model runner: packs one step into ONE flattened ragged forward and returns logits.
 
 Must not make scheduling decisions: it receives the scheduled sequences and their token counts,
-and owns only the model and its KV tensors.
+and owns only the model and its KV tensors (and, split over ranks, its place in their group).
 
 Packing (no padding between sequences): `input_ids`, `positions` and `slot_mapping`
 (`block_id * block_size + offset`) over all new tokens of all sequences (a sequence's new tokens
@@ -19,7 +19,7 @@ from __future__ import annotations
 import inspect
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -305,8 +305,11 @@ class ModelRunner:
         from engine.parallel.workers import StepMeta
 
         dev, long = self.device, torch.long
+        bs = self.block_size
         meta = StepMeta(np.asarray(positions, dtype=np.int64),
-                        np.asarray(slot_mapping, dtype=np.int64), spans)
+                        np.asarray(slot_mapping, dtype=np.int64),
+                        [replace(s, block_table=s.block_table[:-(-s.ctx_len // bs)])
+                         for s in spans])  # what the workers' attention reads, no more
         self.workers.step(meta)
         try:
             self.group.broadcast(ids)

@@ -78,11 +78,14 @@ def _add_probe_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.api_route("/ready", methods=["GET", "HEAD"])
     async def ready():
-        if state.ready:
-            ranks = state.client.stats.ranks
+        ranks = state.client.stats.ranks if state.client is not None else []
+        if state.ready and all(alive for _, alive, *_ in ranks):
             return {"status": "ready", "model": state.model_name} | (
                 {"tensor_parallel": [{"rank": r, "alive": alive} for r, alive, *_ in ranks]}
                 if ranks else {})
+        if state.ready:  # a tensor-parallel rank is gone: the engine is about to stop
+            return errors.error_response(503, "not ready: a tensor-parallel rank is down",
+                                         None, "failed")
         reason = "draining" if state.draining else "failed" if state.dead else "loading"
         return errors.error_response(503, f"not ready: {reason}", None, reason)
 

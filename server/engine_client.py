@@ -397,7 +397,11 @@ def engine_process_main(engine_config, conn, log_level: int) -> None:
             log.exception("the engine failed to load")
         conn.send(("failed", f"{type(exc).__name__}: {exc}"))
         return
-    conn.send(("loaded", (describe(engine), snapshot(engine))))
+    try:
+        conn.send(("loaded", (describe(engine), snapshot(engine))))
+    except BaseException:  # the server is gone already: stop what the engine started
+        engine.close()
+        raise
 
     def take(wait: bool) -> list[tuple]:
         messages = []

@@ -81,7 +81,8 @@ class EngineLoop:
                 if self.engine.has_unfinished():
                     self._step()
                 elif time.monotonic() - self._published >= IDLE_PUBLISH_S:
-                    if not self.engine.healthy():  # a tensor-parallel rank died while idle
+                    if self.engine.workers is not None and not self.engine.healthy():
+                        # a tensor-parallel rank died while idle
                         self.send(("dead", f"the engine cannot go on: {self._why_unhealthy()}"))
                         return
                     self._publish([])

@@ -173,7 +173,7 @@ def test_two_gpu_tensor_parallel_greedy_with_speculation_equals_plain(method):
     eng = engine(target, method, draft, device="cuda", dtype="bfloat16",
                  tensor_parallel_size=2)
     try:
-        assert eng.workers.group.backend == "nccl" and eng.workers.reduce_invariant
+        assert eng.workers.group.backend == "nccl" and eng.workers.invariant
         plain = SamplingParams(**{**params.__dict__, "speculative": False})
         expected = [eng.generate([p], plain)[0].output_token_ids for p in prompts]
         assert [o.output_token_ids for o in staggered(eng, prompts, params)] == expected

@@ -78,6 +78,16 @@ class TPGroup:
             same &= torch.equal(part, whole[start:start + count])
         return same
 
-    def close(self) -> None:
+    def abort(self) -> None:
+        """Fail every collective in flight or to come (NCCL's abort; gloo fails on its own
+        when a peer's connection closes)."""
+        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+        if abort is not None and dist.is_initialized():
+            abort()
+
+    def close(self, abort: bool = False) -> None:
+        """Leave the group; `abort`: a rank is gone (NCCL might wait for it)."""
+        if abort and self.backend == "nccl":
+            self.abort()
         if dist.is_initialized():
             dist.destroy_process_group()

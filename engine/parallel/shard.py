@@ -78,25 +78,26 @@ def check_tensor_parallel(model_config, size: int, device: torch.device,
     if size == 1:
         return
     where = f"invalid engine config tensor_parallel_size: {size}"
-    have = devices(device)
+    have = devices(device) - (device.index or 0)  # ranks take cuda:index, index + 1, ...
     if size > have:
-        kind = "CUDA devices" if device.type == "cuda" else "CPU cores"
+        kind = (f"CUDA devices from {device}" if device.type == "cuda" else "CPU cores")
         raise ValueError(f"{where} is more than the {have} {kind} this machine has (one rank "
                          f"per device)")
     if model_class is not None and model_class not in lean_forward.SUPPORTED:
         raise ValueError(f"{where}: tensor parallelism runs Qwen2 and Llama models (the lean "
                          f"forward), not {model_class}")
     shape = shard_shape(model_config, size)
-    if quantization in ("int4", "auto"):
+    if quantization in ("int4", "int8", "auto"):
         cfg = text_config(model_config)
         for name, full, split in (("o_proj", shape.heads * size * shape.head_dim,
                                    shape.heads * shape.head_dim),
                                   ("down_proj", cfg.intermediate_size, shape.intermediate)):
             if full % GROUP_SIZE == 0 and split % GROUP_SIZE:
                 raise ValueError(
-                    f"{where}: the int4 kernel cannot split {name}: its {full} input features "
-                    f"in {size} shares of {split} do not fall on its groups of {GROUP_SIZE} "
-                    f"(use another tensor_parallel_size or quantization none)")
+                    f"{where}: quantization {quantization} cannot split {name}: its {full} "
+                    f"input features in {size} shares of {split} are not the multiples of "
+                    f"{GROUP_SIZE} a quantized layer needs (use another tensor_parallel_size "
+                    f"or quantization none)")
 
 
 def devices(device: torch.device) -> int:

@@ -18,8 +18,10 @@ workers inside it, so the group is `broken` and the engine cannot go on (the ser
 from __future__ import annotations
 
 import logging
+import multiprocessing.connection
 import os
 import signal
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -56,8 +58,9 @@ class StepMeta:
 class RankStatus:
     rank: int
     alive: bool
-    weight_bytes: int  # the rank's share of the target's weights
-    kv_bytes: int  # its KV pool (0 before the runner is built)
+    weight_bytes: int = 0  # the rank's share of the target's weights
+    kv_bytes: int = 0  # its KV pool (0 before the runner is built)
+    invariant: bool = True  # its kernels passed its batch-invariance check
 
 
 def threads_per_rank(config, device: torch.device) -> int:
@@ -95,7 +98,8 @@ class Workers:
             self.procs.append(proc)
             self.conns.append(mine)
         self.broken: str | None = None  # why the group cannot run another forward
-        self.status = [RankStatus(r, True, 0, 0) for r in range(size)]
+        self.status = [RankStatus(r, True) for r in range(size)]
+        self._closing = False
         try:
             for rank in range(1, size):
                 self._expect(rank, "joining", JOIN_TIMEOUT_S)
@@ -109,6 +113,26 @@ class Workers:
             self.close()
             raise
         self._store = store  # the group's store lives as long as the group
+        threading.Thread(target=self._watch, args=(list(self.procs),), daemon=True,
+                         name="specserve-tp-watch").start()
+
+    def _watch(self, procs: list) -> None:
+        """The moment a worker process ends outside `close`, the group is broken; on NCCL,
+        which does not notice a peer gone, rank 0's collectives are aborted too (a step
+        inside one fails instead of waiting for the timeout)."""
+        ended = multiprocessing.connection.wait([p.sentinel for p in procs])
+        if self._closing:
+            return
+        # (no join or exitcode here: two threads reaping one child confuse multiprocessing)
+        rank = next(r for r, p in enumerate(procs, start=1) if p.sentinel in ended)
+        self.fail(f"tensor-parallel rank {rank} exited (its log lines say why)")
+        if self.group is not None and self.group.backend == "nccl":
+            self.group.abort()
+
+    @property
+    def invariant(self) -> bool:
+        """The reduce and every rank's kernels passed their batch-invariance checks."""
+        return self.reduce_invariant and all(s.invariant for s in self.status)
 
     def _expect(self, rank: int, kind: str, timeout_s: float):
         """Rank `rank`'s next message, which must be `kind`; its payload."""
@@ -132,15 +156,17 @@ class Workers:
             raise WorkerError(f"tensor-parallel rank {rank} said {got!r}, expected {kind!r}")
         return payload
 
-    def _record(self, field: str, mine: int, kind: str) -> None:
-        """Rank 0's `mine` and each worker's answer `kind` as every rank's `field`."""
-        setattr(self.status[0], field, mine)
-        for rank in range(1, self.size):
-            setattr(self.status[rank], field, self._expect(rank, kind, LOAD_TIMEOUT_S))
+    def _record(self, kind: str, **mine) -> None:
+        """Rank 0's values `mine` and each worker's answer `kind` (a dict of the same
+        `RankStatus` fields) in every rank's status."""
+        for rank in range(self.size):
+            values = mine if rank == 0 else self._expect(rank, kind, LOAD_TIMEOUT_S)
+            for field, value in values.items():
+                setattr(self.status[rank], field, value)
 
     def wait_loaded(self, weight_bytes: int) -> None:
         """Every worker has its share of the model (rank 0's own: `weight_bytes`)."""
-        self._record("weight_bytes", weight_bytes, "loaded")
+        self._record("loaded", weight_bytes=weight_bytes)
 
     def start_runners(self, num_blocks: int) -> None:
         """Every worker builds its runner on a pool of `num_blocks` (rank 0's number)..."""
@@ -148,12 +174,12 @@ class Workers:
 
     def wait_runners(self, kv_bytes: int) -> None:
         """... and has it (rank 0's pool: `kv_bytes`)."""
-        self._record("kv_bytes", kv_bytes, "ready")
+        self._record("ready", kv_bytes=kv_bytes)
 
     def resize_kv(self, num_blocks: int, kv_bytes: int) -> None:
         """Every worker's pool resized to `num_blocks`, as rank 0's (now `kv_bytes`)."""
         self._send(("resize", num_blocks))
-        self._record("kv_bytes", kv_bytes, "resized")
+        self._record("resized", kv_bytes=kv_bytes)
 
     def step(self, meta: StepMeta) -> None:
         """Tell every worker to run the forward rank 0 is about to run."""
@@ -184,10 +210,12 @@ class Workers:
         """Every rank's status now (rank 0 is alive while it answers)."""
         for rank, proc in enumerate(self.procs, start=1):
             self.status[rank].alive = proc.is_alive()
-        return [RankStatus(s.rank, s.alive, s.weight_bytes, s.kv_bytes) for s in self.status]
+        return [RankStatus(**vars(s)) for s in self.status]
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Stop the workers and leave the group."""
+        """Stop the workers and leave the group (aborting it when broken: NCCL may not finish
+        a collective a dead rank was in). No forward runs afterwards."""
+        self._closing = True
         for conn in self.conns:
             try:
                 conn.send(("stop",))
@@ -204,8 +232,9 @@ class Workers:
         self.conns, self.procs = [], []
         group = getattr(self, "group", None)
         if group is not None:
-            group.close()
+            group.close(abort=self.broken is not None)
             self.group = None
+        self.broken = self.broken or "closed"
 
 
 # -- the worker process -----------------------------------------------------------------------
@@ -247,7 +276,7 @@ def _serve(rank: int, config, model: torch.nn.Module | None, conn, group: TPGrou
     from engine.runner_plan import RunnerPlan
 
     model, _ = load_target(config, model, None, rank=rank)
-    conn.send(("loaded", model_bytes(model)))
+    conn.send(("loaded", {"weight_bytes": model_bytes(model)}))
     plan = RunnerPlan.resolve(config, group.device)
     runner = None
     while True:
@@ -257,10 +286,11 @@ def _serve(rank: int, config, model: torch.nn.Module | None, conn, group: TPGrou
         if kind == "runner":
             runner = plan.runner(model, args[0], config.block_size)
             runner.join_group(group)
-            conn.send(("ready", runner.kv_bytes))
+            invariant = runner.invariance is None or runner.invariance.invariant
+            conn.send(("ready", {"kv_bytes": runner.kv_bytes, "invariant": invariant}))
         elif kind == "resize":
             runner.resize_kv(args[0])
-            conn.send(("resized", runner.kv_bytes))
+            conn.send(("resized", {"kv_bytes": runner.kv_bytes}))
         elif kind == "step":
             runner.follow(args[0])
         else:
