@@ -55,9 +55,11 @@ except ImportError:  # the sdpa backend needs no Triton
 BLOCK_M = 16  # new tokens per program (a decode uses 1 row of it)
 BLOCK_N = 32  # keys per inner step; fixed, so every row reduces its keys the same way
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
-# Triton's CPU interpreter computes tl.dot of bf16/fp16 operands wrongly (3.9: garbage), so
-# interpreted runs (the CPU tests) upcast the tiles to float32 before each dot; compiled runs
-# use the native half-precision dot.
+# Triton's CPU interpreter computes tl.dot of bf16/fp16 operands wrongly (3.9: garbage), and
+# its float32 dot is numpy's matmul, whose BLAS gives a row other bits at another place in the
+# tile on some CPUs (measured: AVX2 OpenBLAS): so interpreted runs (the CPU tests) upcast the
+# tiles to float32 and multiply as products summed over the shared axis, the same for every
+# row; compiled runs use the native dot.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -140,8 +142,8 @@ if triton is not None:
             k = tl.load(k_ptr + slots[None, :] * stride_kt + kv_head * stride_kh
                         + offs_d[:, None], mask=key_ok[None, :], other=0.0)  # [D, N]
             if UPCAST:
-                k = k.to(tl.float32)
-            if IEEE:
+                s = tl.sum(q[:, :, None] * k.to(tl.float32)[None, :, :], axis=1)
+            elif IEEE:
                 s = tl.dot(q, k, input_precision="ieee")
             else:
                 s = tl.dot(q, k)
@@ -156,8 +158,8 @@ if triton is not None:
             v = tl.load(v_ptr + slots[:, None] * stride_kt + kv_head * stride_kh
                         + offs_d[None, :], mask=key_ok[:, None], other=0.0)  # [N, D]
             if UPCAST:
-                v = v.to(tl.float32)
-            if IEEE:
+                pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+            elif IEEE:
                 pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
             else:
                 pv = tl.dot(p.to(v.dtype), v)
