@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import sys
 import time
 from pathlib import Path
@@ -32,14 +31,7 @@ from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from engine.config import SpeculativeConfig  # noqa: E402
 from engine.models.loader import load_tokenizer  # noqa: E402
 from results_file import write_results  # noqa: E402
-
-TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
-
-
-def load_prompts(tok, path: Path, count: int) -> list[list[int]]:
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [tok.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=True,
-                                    return_dict=False) for r in rows[:count]]
+from spec_methods import DRAFT, TARGET, load_prompts  # noqa: E402
 
 
 def make_engine(size: int, speculative: bool, args) -> LLMEngine:
@@ -81,7 +73,7 @@ def main() -> None:
     ap.add_argument("--sizes", default="1,2")
     args = ap.parse_args()
     tok = load_tokenizer(TARGET)
-    prompts = load_prompts(tok, ROOT / "bench/prompts/chat.jsonl", args.prompts)
+    prompts = load_prompts(tok, ROOT / "bench/prompts/chat.jsonl")[:args.prompts]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     sizes = [int(s) for s in args.sizes.split(",")]
     rates, tokens, threads = {}, {}, {}

@@ -135,8 +135,8 @@ def max_model_len(config, model: torch.nn.Module, num_blocks: int) -> int:
     return min(limit, num_blocks * config.block_size)
 
 
-def plan_blocks(cfg, runner, models: list[torch.nn.Module], heads: tuple = (),
-                captured: bool = True) -> int:
+def plan_blocks(cfg, runner, models: list[torch.nn.Module], heads: tuple,
+                captured: bool) -> int:
     """CUDA: the pool's blocks once weights, the largest step and the CUDA graphs are
     accounted (`runner`: the target's, on a profile pool of `profile_blocks`; `heads`: a draft
     head, loaded already, whose KV shares the block ids; `captured`: the runner plan captures

@@ -290,36 +290,33 @@ class ModelRunner:
         dev, long = self.device, torch.long
         ids = input_ids(items, drafts, dev)
         if self.workers is not None:
-            return self._execute_split(ids, positions, slot_mapping, spans, keep, row_offsets)
-        logits, hidden = self.forward(
-            ids, to_device([positions], long, dev), to_device(keep, long, dev),
-            self.kv.backend.build_metadata(spans, slot_mapping, bs, dev))
-        return StepLogits(logits[0].float(), row_offsets, hidden)
-
-    def _execute_split(self, ids: torch.Tensor, positions: list[int], slot_mapping: list[int],
-                       spans: list[paged.SeqSpan], keep: list[int],
-                       row_offsets: list[int]) -> StepLogits:
-        """Rank 0's forward of a split model: the workers get the step's metadata and rank 0's
-        input ids, then every rank runs it (engine/parallel/workers.py). A failure part-way
-        leaves the workers inside the forward: the group is broken for good."""
-        from engine.parallel.workers import StepMeta
-
-        dev, long = self.device, torch.long
-        bs = self.block_size
-        meta = StepMeta(np.asarray(positions, dtype=np.int64),
-                        np.asarray(slot_mapping, dtype=np.int64),
-                        [replace(s, block_table=s.block_table[:-(-s.ctx_len // bs)])
-                         for s in spans])  # what the workers' attention reads, no more
-        self.workers.step(meta)
+            self._tell_workers(ids, positions, slot_mapping, spans)
         try:
-            self.group.broadcast(ids)
             logits, hidden = self.forward(
-                ids, to_device(meta.positions[None], long, dev), to_device(keep, long, dev),
-                self.kv.backend.build_metadata(spans, slot_mapping, self.block_size, dev))
+                ids, to_device([positions], long, dev), to_device(keep, long, dev),
+                self.kv.backend.build_metadata(spans, slot_mapping, bs, dev))
         except BaseException as exc:
-            self.workers.fail(f"a forward failed on rank 0 ({type(exc).__name__}: {exc})")
+            if self.workers is not None:  # they are inside this forward: out of step for good
+                self.workers.fail(f"a forward failed on rank 0 ({type(exc).__name__}: {exc})")
             raise
         return StepLogits(logits[0].float(), row_offsets, hidden)
+
+    def _tell_workers(self, ids: torch.Tensor, positions: list[int], slot_mapping: list[int],
+                      spans: list[paged.SeqSpan]) -> None:
+        """Rank 0 of a split model: the workers get the forward's metadata and its input ids,
+        then run it with rank 0 (engine/parallel/workers.py)."""
+        from engine.parallel.workers import StepMeta
+
+        bs = self.block_size
+        self.workers.step(StepMeta(
+            np.asarray(positions, dtype=np.int64), np.asarray(slot_mapping, dtype=np.int64),
+            [replace(s, block_table=s.block_table[:-(-s.ctx_len // bs)])
+             for s in spans]))  # what the workers' attention reads, no more
+        try:
+            self.group.broadcast(ids)
+        except BaseException as exc:
+            self.workers.fail(f"the input ids did not reach the workers ({exc})")
+            raise
 
     @torch.inference_mode()
     def follow(self, meta) -> None:

@@ -81,9 +81,10 @@ class EngineLoop:
                 if self.engine.has_unfinished():
                     self._step()
                 elif time.monotonic() - self._published >= IDLE_PUBLISH_S:
-                    if self.engine.workers is not None and not self.engine.healthy():
-                        # a tensor-parallel rank died while idle
-                        self.send(("dead", f"the engine cannot go on: {self._why_unhealthy()}"))
+                    workers = self.engine.workers  # a tensor-parallel rank may die while idle
+                    problem = workers.problem() if workers is not None else None
+                    if problem:
+                        self.send(("dead", f"the engine cannot go on: {problem}"))
                         return
                     self._publish([])
         except StepError as exc:
@@ -94,13 +95,6 @@ class EngineLoop:
             self.send(("dead", f"the engine loop stopped: {type(exc).__name__}: {exc}"))
         finally:
             self.engine.close()
-
-    def _why_unhealthy(self) -> str:
-        workers = self.engine.workers
-        if workers is None:
-            return "its device failed"
-        down = [r.rank for r in workers.ranks() if not r.alive]
-        return workers.broken or f"tensor-parallel rank(s) {down} exited"
 
     def _handle(self, message: tuple) -> None:
         kind = message[0]

@@ -202,9 +202,14 @@ class Workers:
             self.broken = why
             log.error("tensor parallelism is broken: %s", why)
 
+    def problem(self) -> str | None:
+        """Why no forward can run now (a rank is out of step or gone), or None."""
+        down = [rank for rank, p in enumerate(self.procs, start=1) if not p.is_alive()]
+        return self.broken or (f"tensor-parallel rank(s) {down} exited" if down else None)
+
     def healthy(self) -> bool:
         """Every rank is alive and in step."""
-        return self.broken is None and all(p.is_alive() for p in self.procs)
+        return self.problem() is None
 
     def ranks(self) -> list[RankStatus]:
         """Every rank's status now (rank 0 is alive while it answers)."""
