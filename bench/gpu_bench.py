@@ -22,9 +22,18 @@ Cases, prompt 512 random tokens, 256 new tokens, greedy, ignore_eos:
   eager, batch 1 and 32 (RESULT `tp2_vs_tp1_b1`, reported);
 - speculation at batch 1: the target's own weights as draft with k = 4 fixed, against the
   ideal its measured forward costs allow ((k + 1) tokens per target pass of k + 1 tokens plus
-  k draft forwards of one); an unrelated random draft with adaptive k, against plain.
+  k draft forwards of one); an unrelated random draft with adaptive k, against plain;
+- the packaged pair's speedup at batch 1, MODELLED (its weights do not travel): the forward
+  costs of the 1.5B and 0.5B shapes measured here with the tokens per target pass the real
+  pair reaches (--pair-accepted at --pair-k: bench/results/spec_decode.md, greedy chat, bf16),
+  RESULT `spec_b1_vs_plain_modelled`;
+- where a batch-1 step's time goes: 64 decode steps of the 1.5B shape (CUDA graphs) under
+  torch.profiler, split into device busy / device idle / host blocked / host work and the
+  engine's phases, with the kernels by device time (bench/profile_trace.py; --trace keeps
+  the trace).
 
-    python bench/gpu_bench.py [--out bench/results/gpu/gpu_bench.md] [--smoke]
+    python bench/gpu_bench.py [--out bench/results/gpu/gpu_bench.md] [--trace FILE.json.gz]
+                              [--smoke]
 
 --smoke runs every case on tiny shapes (CPU allowed, torch.compile skipped): a check that the
 script works, not a measurement. Prints a table and a RESULT line; writes --out.
@@ -45,6 +54,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from profile_trace import profile_steps, table as profile_table  # noqa: E402
 from results_file import write_results  # noqa: E402
 
 from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
@@ -241,12 +251,28 @@ def tensor_parallel(device: torch.device, args, clock: Clock, rows: list, result
             gc.collect()
 
 
+def versions() -> str:
+    import transformers
+
+    try:
+        import triton
+        tri = triton.__version__
+    except ImportError:
+        tri = "not installed"
+    return (f"torch {torch.__version__} (CUDA {torch.version.cuda}), transformers "
+            f"{transformers.__version__}, triton {tri}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(ROOT / "bench/results/gpu/gpu_bench.md"))
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--device", default=None)
     parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--trace", default=None, help="keep the batch-1 profile's trace here")
+    parser.add_argument("--pair-accepted", type=float, default=3.54,
+                        help="tokens per target pass of the packaged pair (greedy chat)")
+    parser.add_argument("--pair-k", type=int, default=5, help="the k it was reached at")
     args = parser.parse_args()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     clock = Clock(device)
@@ -255,14 +281,19 @@ def main() -> int:
     batches = (1, 4) if args.smoke else (1, 8, 32, 128)
     cb_batch = 4 if args.smoke else 32
     bw = copy_bandwidth(device, clock, 16 if args.smoke else 1024)
-    rows, result, extra = [], {}, {}
+    rows, result, extra, profile = [], {}, {}, None
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"device {name}, torch {torch.__version__}, copy bandwidth {bw / 1e9:.0f} GB/s",
-          flush=True)
+    began = time.perf_counter()
+
+    def section(what: str) -> None:  # where the device time goes (gpu-check has 5 minutes)
+        print(f"[{time.perf_counter() - began:6.1f} s] {what}", flush=True)
+
+    print(f"device {name}, {versions()}, copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
 
     # the 1.5B shape with CUDA graphs (the default) and without; the 7B shape with them
     for shape, graphs in (("qwen2.5-coder-1.5b", "auto"), ("qwen2.5-coder-1.5b", "off"),
                           ("qwen2.5-7b", "auto")):
+        section(f"{shape}, cuda_graphs {graphs}")
         model = build(shape, device, 0, args.smoke)
         wbytes, kvb = weight_bytes(model), kv_bytes_per_token(model)
         held = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
@@ -282,6 +313,14 @@ def main() -> int:
             if shape == "qwen2.5-coder-1.5b" and graphs == "auto":
                 result[f"ours_b{b}"], result[f"roof_b{b}"] = r["decode_tok_s"], roof
                 result[f"ours_e2e_b{b}"] = r["e2e_tok_s"]
+        if shape == "qwen2.5-coder-1.5b" and graphs == "auto":
+            section("batch-1 profile")
+            steps = 8 if args.smoke else 64
+            profile = profile_steps(engine, prompts(1, args.prompt_len, engine.vocab_size, 5)[0],
+                                    steps=steps, warmup=4 if args.smoke else 16,
+                                    trace_path=args.trace)
+            profile["mode"] = f"{mode}, {backend} attention"
+            print(profile_table(profile), flush=True)
         del engine, model
         gc.collect()
         if device.type == "cuda":
@@ -291,6 +330,7 @@ def main() -> int:
     # (the triton backend only: on CUDA)
     shape = "qwen2.5-coder-1.5b"
     if device.type == "cuda":
+        section("split-KV")
         long = argparse.Namespace(**vars(args))
         long.prompt_len, long.new_tokens = (256, 16) if args.smoke else (4096, 64)
         model = build(shape, device, 0, args.smoke)
@@ -309,6 +349,7 @@ def main() -> int:
         gc.collect()
         torch.cuda.empty_cache()
 
+    section("transformers generate")
     hf = build(shape, device, 0, args.smoke)
     tok_s, note = hf_static_compiled(hf, args, clock)
     rows.append((shape, f"transformers generate, {note}", 1, tok_s, None, None))
@@ -316,6 +357,7 @@ def main() -> int:
     print(rows[-1], flush=True)
     del hf
     gc.collect()
+    section("transformers generate_batch")
     hf = build(shape, device, 0, args.smoke)
     tok_s, note = hf_continuous_batching(hf, args, clock, cb_batch)
     rows.append((shape, f"transformers {note}", cb_batch, None, None, tok_s))
@@ -324,7 +366,7 @@ def main() -> int:
     del hf
     gc.collect()
 
-    # speculation at batch 1
+    section("speculation")
     target, same = build(shape, device, 0, args.smoke), build(shape, device, 0, args.smoke)
     fixed = SpeculativeConfig(method="draft_model", draft_model="in-memory", k_max=args.k,
                               adaptive=False, calibrate=False)
@@ -359,8 +401,25 @@ def main() -> int:
                  None, None))
     result["spec_off"] = r["decode_tok_s"] / p["decode_tok_s"]
     print(rows[-2:], flush=True)
+    # the packaged pair, modelled: its tokens per target pass over this device's costs of a
+    # 1 + k token target forward and k 0.5B-shaped draft forwards, against one target forward
+    k = args.pair_k
+    t_step = forward_seconds(engine.runner, ctx, 1, clock)
+    t_verify = forward_seconds(engine.runner, ctx, k + 1, clock)
+    t_draft = forward_seconds(engine.speculator.proposer.runner, ctx, 1, clock)
+    modelled = args.pair_accepted * t_step / (t_verify + k * t_draft)
+    result["spec_modelled"] = modelled
+    rows.append((shape, (f"MODELLED packaged pair: {args.pair_accepted} tokens per pass at "
+                         f"k = {k} over forwards measured here (target 1 token "
+                         f"{t_step * 1e3:.2f} ms, {k + 1} tokens {t_verify * 1e3:.2f} ms, "
+                         f"0.5B draft 1 token {t_draft * 1e3:.2f} ms): {modelled:.2f}x plain"),
+                 1, None, None, None))
+    print(rows[-1], flush=True)
+    del engine
 
+    section("tensor parallelism")
     tensor_parallel(device, args, clock, rows, result)
+    section("done")
 
     def f(x):
         return "" if x is None else f"{x:.1f}"
@@ -375,15 +434,19 @@ def main() -> int:
             f"b{cb_batch}_vs_hf_cb="
             f"{'n/a' if cb is None else format(result[f'ours_e2e_b{cb_batch}'] / cb, '.2f')} "
             f"spec_ideal_fraction={result['spec_ideal']:.2f} "
-            f"spec_off_ratio={result['spec_off']:.2f}")
+            f"spec_off_ratio={result['spec_off']:.2f} "
+            f"spec_b1_vs_plain_modelled={result['spec_modelled']:.2f}")
     if "tp2_b1" in result and "tp1_b1" in result:  # reported: TP buys memory, not speed here
         line += f" tp2_vs_tp1_b1={result['tp2_b1'] / result['tp1_b1']:.2f}"
     if "split512_b1" in result:  # not a target: decides attention_kv_split's default
         line += (f" split_kv_b1_long={result['split512_b1'] / result['split0_b1']:.2f}"
                  f" split_kv_b8_long={result['split512_b8'] / result['split0_b8']:.2f}")
+    if profile is not None:
+        table += (f"\n\n## Batch 1, qwen2.5-coder-1.5b shape, {profile['mode']}: where a "
+                  "decode step's time goes (torch.profiler)\n\n" + profile_table(profile))
     print(table)
     print(line)
-    details = [f"device: {name}, copy bandwidth {bw / 1e9:.0f} GB/s",
+    details = [f"device: {name}, {versions()}, copy bandwidth {bw / 1e9:.0f} GB/s",
                f"prompt {args.prompt_len} random tokens, {args.new_tokens} new tokens, greedy, "
                f"bf16, random-init weights with the shapes of bench/model_shapes/"
                + (" (SMOKE: tiny shapes, not a measurement)" if args.smoke else "")]

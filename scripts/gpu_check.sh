@@ -32,7 +32,8 @@ echo "== CUDA-marked tests"
 timeout 150 $PY -m pytest -q -m cuda -p no:cacheprovider tests 2>&1 | tee "$OUT_DIR/tests.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 echo "== bench/gpu_bench.py"
-timeout 300 $PY bench/gpu_bench.py --out "$OUT_DIR/gpu_bench.md" 2>&1 | tee "$OUT_DIR/gpu_bench.log"
+timeout 300 $PY bench/gpu_bench.py --out "$OUT_DIR/gpu_bench.md" \
+    --trace "$OUT_DIR/b1_trace.json.gz" 2>&1 | tee "$OUT_DIR/gpu_bench.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 echo "== one HTTP request on cuda"
 timeout 60 $PY scripts/gpu_http_check.py 2>&1 | tee "$OUT_DIR/http.log"
