@@ -112,6 +112,9 @@ def table(summary: dict, top: int = 12) -> str:
     lines += [row(f"phase {k[len('phase:'):]} (host time, blocked time included)", v)
               for k, v in m.items() if k.startswith("phase:")]
     lines += [f"| device operations per step | {m['device_ops']:.0f} | |"]
+    if not m["device_ops"]:
+        lines += ["", "No device activity in the trace (a CPU run, or the profiler did not "
+                  "trace the device): device busy and idle say nothing here."]
     if summary["kernels"]:
         busy = m["device_busy"] or 1.0
         lines += ["", "| kernel (top by device time) | calls per step | us per step | "
