@@ -4,6 +4,7 @@ case on tiny shapes on the CPU, and the profile summary splits a step's time cor
 from __future__ import annotations
 
 import gzip
+import importlib.util
 import json
 import math
 import re
@@ -14,9 +15,18 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
 
-from profile_trace import summarise, table  # noqa: E402
+
+def _load_profile_trace():
+    """bench/profile_trace.py by path: bench/ on sys.path would shadow packages (bench/agents.py
+    is not the `agents` SDK)."""
+    spec = importlib.util.spec_from_file_location("profile_trace", ROOT / "bench/profile_trace.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+summarise, table = (getattr(_load_profile_trace(), name) for name in ("summarise", "table"))
 
 
 def _x(cat, name, ts, dur):
