@@ -10,7 +10,7 @@
 - host work: wall minus host blocked (Python, scheduling, kernel and graph launches);
 - each phase's host time, and the kernels by device time per step.
 
-Means over the steps (the first steps of a trace are skipped by the caller as warm-up).
+Means over the profiled steps (`profile_steps` runs its warm-up steps before profiling).
 """
 
 from __future__ import annotations
@@ -65,19 +65,20 @@ def summarise(trace: dict) -> dict:
     phases = [e for e in events if e.get("cat") == "user_annotation"
               and e["name"].startswith(PHASE_PREFIX) and e["name"] != STEP]
     for lo, hi in windows:
-        busy = []
+        busy, ops = [], 0
         for e in device:
             cut = _clip(e["ts"], e["ts"] + e["dur"], lo, hi)
             if cut:
                 busy.append(cut)
-                if e["ts"] >= lo and e["ts"] < hi:
-                    k = kernels[e["name"] if e["cat"] == "kernel" else f"[{e['cat']}]"]
-                    k[0] += 1
-                    k[1] += e["dur"]
+            if lo <= e["ts"] < hi:  # started in this step: its calls and time count here
+                ops += 1
+                k = kernels[e["name"] if e["cat"] == "kernel" else f"[{e['cat']}]"]
+                k[0] += 1
+                k[1] += e["dur"]
         blocked = sum(b - a for a, b in filter(None, (
             _clip(e["ts"], e["ts"] + e["dur"], lo, hi) for e in sync)))
         row = {"wall": hi - lo, "device_busy": _union(busy), "host_blocked": blocked,
-               "device_ops": sum(1 for e in device if lo <= e["ts"] < hi)}
+               "device_ops": ops}
         for e in phases:
             if lo <= e["ts"] < hi:
                 name = e["name"][len(PHASE_PREFIX):]
@@ -141,7 +142,6 @@ def profile_steps(engine, prompt: list[int], steps: int, warmup: int,
     CUDA). Returns `summarise`'s result; writes the trace (gzipped JSON) to `trace_path`."""
     import tempfile
 
-    import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from engine import SamplingParams
@@ -168,8 +168,6 @@ def profile_steps(engine, prompt: list[int], steps: int, warmup: int,
         raw = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(raw))
         trace = json.loads(raw.read_text())
-    if engine.runner.device.type == "cuda":
-        torch.cuda.synchronize()
     if trace_path:
         with gzip.open(trace_path, "wt") as f:
             json.dump(trace, f)

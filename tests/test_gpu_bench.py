@@ -26,7 +26,8 @@ def _load_profile_trace():
     return module
 
 
-summarise, table = (getattr(_load_profile_trace(), name) for name in ("summarise", "table"))
+profile_trace = _load_profile_trace()
+summarise, table = profile_trace.summarise, profile_trace.table
 
 
 def _x(cat, name, ts, dur):
