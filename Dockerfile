@@ -18,6 +18,7 @@ RUN pip install --no-cache-dir --upgrade pip \
 COPY pyproject.toml README.md /src/
 COPY engine /src/engine
 COPY server /src/server
+COPY training /src/training
 RUN pip install --no-cache-dir /src
 
 # -- runtime: the environment, the configs, a non-root user ----------------------------------

@@ -118,7 +118,7 @@ def forward_costs(threads: int, draft_vocab_size: int, context: int = 200) -> di
     import torch
 
     from engine import EngineConfig, LLMEngine
-    from engine.model_runner import RunItem
+    from engine.batch import RunItem
 
     torch.set_num_threads(threads)
     engine = LLMEngine(EngineConfig(

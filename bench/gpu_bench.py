@@ -59,7 +59,7 @@ from results_file import write_results  # noqa: E402
 
 from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from engine.config import SpeculativeConfig  # noqa: E402
-from engine.model_runner import RunItem  # noqa: E402
+from engine.batch import RunItem  # noqa: E402
 
 SMOKE_SHAPE = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
                "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512}

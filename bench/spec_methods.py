@@ -82,7 +82,7 @@ def make_engine(method, target, draft, tok, k_max, draft_vocab_size, speculator=
 def head_vs_target_cost(engine, context: int = 256, repeats: int = 20) -> tuple[float, float]:
     """Median seconds of one head forward (1 row, as a chained draft step) and of one target
     decode forward (1 row), both after `context` tokens."""
-    from engine.model_runner import RunItem
+    from engine.batch import RunItem
     from engine.sequence import Sequence
 
     bm, proposer = engine.block_manager, engine.speculator.proposer

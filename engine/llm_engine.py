@@ -17,14 +17,14 @@ import weakref
 
 import torch
 
-from engine import device_io, memory_plan
+from engine import device_io
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError, StepError
-from engine.model_runner import RunItem
+from engine.batch import RunItem
 from engine.models.draft import draft_vocabulary
 from engine.models.loader import resolve_device
-from engine.models.pair import eos_token_ids, load_models, load_speculator
+from engine.models.pair import eos_token_ids, load_models
 from engine.outputs import RequestOutput, request_output
 from engine.request_check import check_request
 from engine.runner_plan import RunnerPlan
@@ -32,6 +32,7 @@ from engine.sample.verifier import Verifier
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sequence import Sequence
+from engine.spec_decode.eagle import load_speculator
 from engine.spec_decode.speculator import build_speculator
 from engine.structured import Grammars
 
@@ -52,48 +53,29 @@ class LLMEngine:
     def _build(self, model: torch.nn.Module | None, tokenizer,
                draft_model: torch.nn.Module | None) -> None:
         config = self.config
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
-        elif config.tensor_parallel_size > 1:  # the ranks share the cores out
-            from engine.parallel.workers import threads_per_rank
-
-            self._threads_before = torch.get_num_threads()  # given back by `close`
-            torch.set_num_threads(threads_per_rank(config, resolve_device(config.device)))
+        self._take_threads()
         given = model  # whole: tensor-parallel workers take their shares of it
         model, tokenizer, draft_model = load_models(config, model, tokenizer, draft_model)
         self.tokenizer = tokenizer
-        self.plan = plan = RunnerPlan.resolve(config, next(model.parameters()).device)
-        self.workers = self._start_workers(given, model)
-        models = [model] + ([draft_model] if draft_model is not None else [])
         head = load_speculator(config, model)  # a draft head reads the target's hidden states
-        heads = (head,) if head is not None else ()
-        num_blocks = config.num_blocks or memory_plan.blocks_for_memory(config, models, heads)
-        # on CUDA the pool is sized after measuring forwards on a small one (memory_plan.py)
-        sized = config.num_blocks is None and plan.device.type == "cuda"
-        self.runner = self._target_runner(model, memory_plan.profile_blocks(config) if sized
-                                          else num_blocks)
-        if head is not None:  # before the measured forwards: they return the features too
-            self.runner.enable_capture(head.config.layers)
-        if sized:
-            num_blocks = memory_plan.plan_blocks(config, self.runner, models, heads,
-                                                 plan.capture)
-            self.runner.resize_kv(num_blocks)
-            if self.workers is not None:
-                self.workers.resize_kv(num_blocks, self.runner.kv_bytes)
-        if self.workers is not None:
-            memory_plan.log_ranks(self.workers.ranks())
+        self.plan = plan = RunnerPlan.resolve(config, next(model.parameters()).device)
+        models = [model] + ([draft_model] if draft_model is not None else [])
+        target = plan.build_target(config, model, given, models,
+                                   (head,) if head is not None else ())
+        self.runner, self.max_model_len = target.runner, target.max_model_len
+        self.workers = self.runner.workers
+        if self.workers is not None:  # stopped with the engine, or when it is collected
+            self._finalizer = weakref.finalize(self, self.workers.close)
+        self.device = self.runner.device
         self.vocab_size = self.runner.shape.vocab_size
-        self.block_manager = BlockManager(num_blocks, config.block_size,
+        self.block_manager = BlockManager(target.num_blocks, config.block_size,
                                           config.enable_prefix_caching)
-        self.max_model_len = memory_plan.max_model_len(config, model, num_blocks)
-        plan.enable_static_steps(self.runner, self.max_model_len)
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_batched_tokens=config.max_num_batched_tokens,
                             max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len),
             self.block_manager, eos_token_ids(model, tokenizer))
-        self.device = self.runner.device
-        # the target pass's time for adaptive k: CUDA events on CUDA (drafts queued before
-        # the step are not its time), the host clock elsewhere
+        # the target pass's time for the guard: CUDA events on CUDA (drafts queued before the
+        # step are not its time), the host clock elsewhere
         self._marks = device_io.Marks(self.device)
         self.verifier = Verifier(self.vocab_size, self.device, config.seed,
                                  config.speculative.verification == "coupled", self._marks)
@@ -108,36 +90,17 @@ class LLMEngine:
         self._grammars: Grammars | None = None  # built with the first grammar request
         self.num_grammar_requests = 0
 
-    def _start_workers(self, given: torch.nn.Module | None, model: torch.nn.Module):
-        """Tensor parallelism: ranks 1..N-1 started, joined and loaded (rank 0's share is
-        `model`); None for one rank. The workers stop with the engine (`close`)."""
-        if self.config.tensor_parallel_size == 1:
-            return None
-        from engine.parallel.workers import Workers, model_bytes
+    def _take_threads(self) -> None:
+        """The torch threads the config asks for; with tensor parallelism and none asked, the
+        cores shared out among the ranks (given back by `close`)."""
+        config = self.config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        elif config.tensor_parallel_size > 1:
+            from engine.parallel.workers import threads_per_rank
 
-        if given is not None and next(given.parameters()).device.type != "cpu":
-            raise ValueError("with tensor_parallel_size > 1, give the engine the whole target "
-                             "on the host: each rank moves its share to its own device")
-        workers = Workers(self.config, given, next(model.parameters()).device)
-        self._finalizer = weakref.finalize(self, workers.close)
-        try:
-            workers.wait_loaded(model_bytes(model))
-        except BaseException:
-            self._finalizer()
-            raise
-        return workers
-
-    def _target_runner(self, model: torch.nn.Module, num_blocks: int):
-        """The target's runner on a pool of `num_blocks`; with tensor parallelism every rank
-        builds its own (measuring its kernels' invariance at the same time) and rank 0's runs
-        each forward with them."""
-        if self.workers is None:
-            return self.plan.runner(model, num_blocks, self.config.block_size)
-        self.workers.start_runners(num_blocks)
-        runner = self.plan.runner(model, num_blocks, self.config.block_size)
-        runner.join_group(self.workers.group, self.workers)
-        self.workers.wait_runners(runner.kv_bytes)
-        return runner
+            self._threads_before = torch.get_num_threads()
+            torch.set_num_threads(threads_per_rank(config, resolve_device(config.device)))
 
     def healthy(self) -> bool:
         """The engine can run another step: its device works and, with tensor parallelism,
@@ -148,8 +111,9 @@ class LLMEngine:
     def close(self) -> None:
         """Stop what the engine started beside it (tensor-parallel workers: a split engine
         cannot step afterwards); give back the torch threads it took. Idempotent."""
-        if self.workers is not None:
-            self._finalizer()
+        finalizer = self.__dict__.get("_finalizer")
+        if finalizer is not None:
+            finalizer()
         threads = self.__dict__.pop("_threads_before", None)
         if threads is not None:
             torch.set_num_threads(threads)

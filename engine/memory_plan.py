@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention.paged import PagedKVCache
-from engine.model_runner import ModelShape, RunItem
+from engine.batch import ModelShape, RunItem
 
 log = logging.getLogger("specserve.engine")
 

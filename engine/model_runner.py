@@ -5,9 +5,8 @@ and owns only the model and its KV tensors (and, split over ranks, its place in 
 
 Packing (no padding between sequences): `input_ids`, `positions` and `slot_mapping`
 (`block_id * block_size + offset`) over all new tokens of all sequences (a sequence's new tokens
-are its item's token ids, then its drafts of the forward's `Drafts`: host ids, or ids only the
-device holds, copied into the input ids there); per sequence a span
-(its rows, context length, block table) for attention. Logits are computed only at the rows
+are its item's token ids, then its drafts of the step's `Drafts`: engine/batch.py); per
+sequence a span (its rows, context length, block table) for attention. Logits are computed only at the rows
 whose next token is wanted (`logits_to_keep`), which also skips the vocabulary projection for
 the rest of a prompt chunk. With tensor parallelism (engine/parallel/) the model is one rank's
 share: rank 0's runner sends each forward's metadata and input ids to the other ranks, whose
@@ -17,130 +16,36 @@ runners run the same forward with it (`follow`).
 from __future__ import annotations
 
 import inspect
-import itertools
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 import torch
 
 from engine.attention import paged
+from engine.batch import Drafts, ModelShape, RunItem, StepLogits, StepMeta, input_ids, \
+    num_new_tokens
 from engine.device_io import to_device
 from engine.models import lean_forward
-from engine.spec_decode.drafts import Drafts
-
-
-@dataclass
-class ModelShape:
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-
-    @classmethod
-    def of(cls, model: torch.nn.Module) -> "ModelShape":
-        cfg = model.config.get_text_config()
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        head = model.get_output_embeddings()
-        vocab = getattr(head, "out_features", None) or head.weight.shape[0]
-        return cls(cfg.num_hidden_layers, kv_heads, head_dim, vocab)
-
-
-def resolve_attention_backend(name: str, device: torch.device) -> str:
-    """auto: the Triton kernel on CUDA when Triton is installed, SDPA otherwise."""
-    if name not in ("auto", "sdpa", "triton"):
-        raise ValueError(f"invalid engine config attention_backend: {name!r}; "
-                         f"use auto, sdpa or triton")
-    if name != "auto":
-        return name
-    from engine.attention import triton_backend
-
-    return "triton" if device.type == "cuda" and triton_backend.available() else "sdpa"
-
-
-@dataclass
-class RunItem:
-    """One sequence's part of a forward: new tokens at positions start, start + 1, ...: its
-    `token_ids`, then its drafts of the forward's `Drafts` (engine/spec_decode/drafts.py)."""
-
-    token_ids: list[int]
-    start: int
-    block_table: list[int]  # covers every position up to start + its new tokens
-    num_rows: int  # logits wanted at the last num_rows new tokens
-    # positions from here on hold generated tokens (the sequence's prompt length): their rows
-    # may run on the CPU row kernel (engine/attention/paged.py); None: every row is a prompt's
-    prompt_len: int | None = None
-
-
-def num_new_tokens(items: list[RunItem], drafts: Drafts | None) -> list[int]:
-    """Per item, its new tokens in the forward: its token ids and then its drafts."""
-    if drafts is None:
-        return [len(it.token_ids) for it in items]
-    return [len(it.token_ids) + k for it, k in zip(items, drafts.num_draft_tokens)]
-
-
-def input_ids(items: list[RunItem], drafts: Drafts | None, device: torch.device,
-              row_of: Callable[[int, int], int] | None = None, rows: int | None = None
-              ) -> torch.Tensor:
-    """[1, rows] the forward's token ids on `device`: each item's token ids, then its drafts.
-    row_of(i, j): the row of item i's new token j (default: packed in item order); rows: the
-    forward's rows (default: the new tokens)."""
-    lengths = num_new_tokens(items, drafts)
-    starts = [0, *itertools.accumulate(lengths)][:-1]
-    row_of = row_of or (lambda i, j: starts[i] + j)
-    ids = np.zeros(rows if rows is not None else sum(lengths), dtype=np.int64)
-    at_device: list[int] = []  # rows whose ids only the device holds, in draft order
-    for i, it in enumerate(items):
-        at = row_of(i, 0)
-        ids[at:at + len(it.token_ids)] = it.token_ids
-        k = drafts.num_draft_tokens[i] if drafts is not None else 0
-        if not k:
-            continue
-        first = at + len(it.token_ids)
-        if drafts.held_by_device:
-            at_device += range(first, first + k)
-        else:
-            ids[first:first + k] = drafts.of(i)
-    if at_device and len(at_device) == len(ids):  # every id is a draft on the device
-        return drafts.ids(device)[None]
-    out = to_device(ids[None], torch.long, device)
-    if at_device:
-        out[0].index_copy_(0, to_device(at_device, torch.long, device), drafts.ids(device))
-    return out
-
-
-@dataclass
-class StepLogits:
-    logits: torch.Tensor  # [num_rows, vocab_size] float32, raw model logits
-    row_offsets: list[int]  # items[i] owns rows row_offsets[i] : row_offsets[i + 1]
-    # with `ModelRunner.capture`: [new tokens, features] the captured layers' outputs at every
-    # new token, in item order (item i's token ids, then its drafts)
-    hidden: torch.Tensor | None = None
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int,
                  backend: paged.AttentionBackend | None = None,
                  cpu_matmul_autotune: bool = False, batch_invariant: bool = False,
-                 attention_backend: str = "auto", attention_kv_split: int = 0) -> None:
+                 attention_backend: str = "sdpa", attention_kv_split: int = 0) -> None:
         """batch_invariant: measure and install the rule of engine/kernels/batch_invariant.py
         (a row's logits never depend on the other rows of the step); it replaces the CPU
         matmul autotune, whose few-row forms change the reduction with the row count.
-        attention_backend: auto (triton on CUDA when installed, else sdpa) | sdpa | triton;
-        ignored when `backend` is given. attention_kv_split: the triton backend's split-KV
-        keys per split (0: off)."""
+        attention_backend: sdpa | triton, as `RunnerPlan` resolved it (the one place that
+        decides and refuses); ignored when `backend` is given. attention_kv_split: the triton
+        backend's split-KV keys per split (0: off)."""
         if getattr(model.config, "is_encoder_decoder", False):
             raise ValueError("only decoder-only causal language models are supported")
         model.set_attn_implementation(paged.register())
         self.model = model.eval()
         self.device = next(model.parameters()).device
         self.attention_backend = (type(backend).__name__ if backend is not None
-                                  else resolve_attention_backend(attention_backend, self.device))
-        if backend is None and attention_kv_split and self.attention_backend != "triton":
-            raise ValueError(f"invalid engine config attention_kv_split: {attention_kv_split} "
-                             f"needs attention_backend triton (this runner uses "
-                             f"{self.attention_backend})")
+                                  else attention_backend)
         self.invariance = None
         if batch_invariant:
             from engine.kernels.batch_invariant import make_batch_invariant
@@ -305,8 +210,6 @@ class ModelRunner:
                       spans: list[paged.SeqSpan]) -> None:
         """Rank 0 of a split model: the workers get the forward's metadata and its input ids,
         then run it with rank 0 (engine/parallel/workers.py)."""
-        from engine.parallel.workers import StepMeta
-
         bs = self.block_size
         self.workers.step(StepMeta(
             np.asarray(positions, dtype=np.int64), np.asarray(slot_mapping, dtype=np.int64),

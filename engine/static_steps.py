@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from engine.device_io import copy_in, to_device
-from engine.model_runner import input_ids, num_new_tokens
+from engine.batch import input_ids, num_new_tokens
 
 log = logging.getLogger("specserve.engine")
 
@@ -188,7 +188,7 @@ class StaticSteps:
             offsets.append(offsets[-1] + it.num_rows)
         m = b.meta
         b.input_ids.copy_(input_ids(items, drafts, self.runner.device,
-                                    lambda i, j: i * b.tokens + j, rows))
+                                    lambda i: i * b.tokens, rows))
         for dst, src in ((b.positions[0], pos), (m.slot_mapping, slots),
                          (m.q_len, q_len), (m.ctx_len, ctx), (m.block_tables, tables)):
             copy_in(dst, src)

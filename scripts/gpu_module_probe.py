@@ -18,7 +18,7 @@ from conftest import build_tiny_model, random_prompts  # noqa: E402
 
 from engine import EngineConfig, LLMEngine  # noqa: E402
 from engine.config import SpeculativeConfig  # noqa: E402
-from engine.model_runner import RunItem  # noqa: E402
+from engine.batch import RunItem  # noqa: E402
 
 
 def main() -> None:

@@ -84,7 +84,7 @@ def _fetch_missing(engine_config) -> None:
 
 
 def _speculator_train(args: argparse.Namespace) -> int:
-    from engine.spec_decode.eagle_train import TrainOptions, format_report, train
+    from training.speculator import TrainOptions, format_report, train
 
     opts = TrainOptions(
         target=args.target, out=args.out, prompts=args.prompts, text=args.text,

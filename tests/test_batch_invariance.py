@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from conftest import build_tiny_model, clone_model
-from engine.model_runner import ModelRunner, RunItem
+from engine.batch import RunItem
+from engine.model_runner import ModelRunner
 
 BLOCK = 16
 CONTEXT = 70  # the row under test is the token at position CONTEXT of sequence A

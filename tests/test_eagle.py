@@ -9,10 +9,11 @@ import torch
 from conftest import (build_tiny_model, build_tokenizer, distribution_pair, make_engine,
                       random_prompts, same_distribution_pvalue, staggered, third_tokens)
 from engine import SamplingParams
-from engine.model_runner import ModelRunner, RunItem
+from engine.batch import RunItem
+from engine.model_runner import ModelRunner
 from engine.spec_decode.eagle import (CONFIG_FILE, WEIGHTS_FILE, EagleHead, HeadFileError,
                                       head_config, initialize_from_target, save_head)
-from engine.spec_decode.eagle_train import TrainOptions, encode, read_prompts, train
+from training.speculator import TrainOptions, encode, read_prompts, train
 
 LAYERS = 4  # the tiny target's layers (its head reads layers 1, 1 and 0)
 

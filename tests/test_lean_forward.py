@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from conftest import build_tiny_model, random_prompts
-from engine.model_runner import ModelRunner, RunItem
+from engine.batch import RunItem
+from engine.model_runner import ModelRunner
 from engine.models import lean_forward
 from engine.models.quantize import quantize_model
 

@@ -4,12 +4,12 @@ import pytest
 import torch
 
 from conftest import build_tiny_model, clone_model, random_prompts
+from engine.batch import Drafts, RunItem
 from engine.block_manager import BlockManager
-from engine.model_runner import ModelRunner, RunItem
+from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
-from engine.spec_decode.drafts import Drafts
 
 
 def _execute_every_row(runner, scheduled):
@@ -18,7 +18,8 @@ def _execute_every_row(runner, scheduled):
     ids = [s.seq.token_ids for s in scheduled]
     result = runner.execute([RunItem(t[s.start:s.start + 1], s.start, s.seq.block_table,
                                      s.num_new_tokens) for s, t in zip(scheduled, ids)],
-                            Drafts([t[s.start + 1:s.end] for s, t in zip(scheduled, ids)]))
+                            Drafts.gather([(t[s.start + 1:s.end], None)
+                                           for s, t in zip(scheduled, ids)], runner.device))
     offs = result.row_offsets
     return [result.logits[offs[i]:offs[i + 1]] for i in range(len(scheduled))]
 

@@ -7,10 +7,28 @@ from scipy import stats
 
 from engine.sample import sampler
 from engine.sample.keys import noise_key
-from engine.sample.rejection_sampler import PLACEHOLDER, rejection_sample, to_lists
+from engine.sample.rejection_sampler import NO_KEY, PLACEHOLDER, rejection_sample, to_lists
 from engine.sampling_params import SamplingParams
 
 V = 8
+
+
+def verify(drafts, ks, target, by_pick, qs=None, keys=None, generator=None, picks=None):
+    """rejection_sample from per-sequence inputs: qs[i] sequence i's q ([k_i, V], None:
+    one-hot), keys[i] the noise keys of its k_i + 1 rows (None: unseeded)."""
+    B = len(ks)
+    has_q = np.array([q is not None for q in qs]) if qs is not None else None
+    flat_q = None
+    if qs is not None and any(q is not None for q in qs):
+        like = next(q for q in qs if q is not None)
+        flat_q = torch.cat([q if q is not None else torch.full((k, like.shape[1]), float("nan"))
+                            for q, k in zip(qs, ks)])  # rows without q: never read
+    flat_keys = None if keys is None else np.array(
+        [key for r, k in zip(keys, ks) for key in (r if r is not None else [NO_KEY] * (k + 1))],
+        dtype=np.int64)
+    return rejection_sample(drafts, ks, target, np.array(by_pick, dtype=bool)[:B],
+                            draft_probs=flat_q, has_q=has_q, noise_keys=flat_keys,
+                            default_generator=generator, picks=picks)
 
 
 def one_hot_rows(ids):
@@ -23,9 +41,8 @@ def one_hot_rows(ids):
 def greedy_run(drafts_per_seq, target_ids_per_seq):
     flat = [t for d in drafts_per_seq for t in d]
     target = one_hot_rows([t for ids in target_ids_per_seq for t in ids])
-    return rejection_sample(torch.tensor(flat, dtype=torch.long), [len(d) for d in drafts_per_seq],
-                            None, target, [True] * len(drafts_per_seq),
-                            [None] * len(drafts_per_seq))
+    return verify(torch.tensor(flat, dtype=torch.long), [len(d) for d in drafts_per_seq],
+                  target, [True] * len(drafts_per_seq))
 
 
 def test_greedy_all_accepted_plus_bonus():
@@ -58,8 +75,8 @@ def test_verified_by_given_picks_ignores_the_distribution():
     target = one_hot_rows([7, 7, 7, 7, 0, 0, 0])  # argmax 7 for the first sequence's rows
     target[4:6] = torch.nn.functional.one_hot(torch.tensor([2, 2]), V).float()  # p(2) = 1
     picks = torch.tensor([1, 2, 3, 4, 6, 6, 6])  # never read for the second sequence
-    out = rejection_sample(drafts, [3, 2], None, target, [True, False], [None, None],
-                           torch.Generator().manual_seed(0), picks)
+    out = verify(drafts, [3, 2], target, [True, False], generator=torch.Generator().manual_seed(0),
+                 picks=picks)
     assert to_lists(out)[0] == [1, 2]
     assert to_lists(out)[1][:2] == [2, 2] and len(to_lists(out)[1]) == 3  # p(2) = 1: kept
 
@@ -79,8 +96,8 @@ def test_seeded_sequences_are_deterministic_regardless_of_batch():
         keys = [[noise_key(other_seed + i, t) for t in range(4)] for i in range(5)]
         keys.insert(2, [noise_key(seed, t) for t in range(4)])  # positions 0..3
         default = torch.Generator().manual_seed(other_seed)
-        return rejection_sample(drafts, [3] * 6, list(q.split(3)), p, [False] * 6, keys,
-                                default)[2].tolist()
+        return verify(drafts, [3] * 6, p, [False] * 6, list(q.split(3)), keys,
+                      default)[2].tolist()
 
     assert run(7, 1) == run(7, 2) == run(7, 3)
     assert len({tuple(run(s, 1)) for s in range(20)}) > 1
@@ -96,8 +113,8 @@ def test_sequences_with_and_without_q_verify_as_they_would_alone():
     def run(seqs):
         flat = torch.cat([drafts[3 * i:3 * i + 3] for i in seqs])
         target = torch.cat([p[4 * i:4 * i + 4] for i in seqs])
-        return to_lists(rejection_sample(flat, [3] * len(seqs), [qs[i] for i in seqs], target,
-                                         [False] * len(seqs), [keys[i] for i in seqs]))
+        return to_lists(verify(flat, [3] * len(seqs), target, [False] * len(seqs),
+                               [qs[i] for i in seqs], [keys[i] for i in seqs]))
 
     together = run([0, 1, 2])
     assert together == run([0]) + run([1]) + run([2])
@@ -117,9 +134,8 @@ def test_emitted_tokens_stay_inside_top_k_top_p_set():
     p, q = torch.softmax(proc_t, -1), torch.softmax(proc_d, -1)
     drafts = torch.multinomial(q, 1, generator=g)[:, 0]
     for trial in range(5):
-        out = rejection_sample(drafts, [k] * batch, list(q.split(k)), p, [False] * batch,
-                               [None] * batch,
-                               torch.Generator().manual_seed(trial))
+        out = verify(drafts, [k] * batch, p, [False] * batch, list(q.split(k)),
+                     generator=torch.Generator().manual_seed(trial))
         for i, row in enumerate(to_lists(out)):
             for j, tok in enumerate(row):
                 assert p[i * (k + 1) + j, tok] > 0, "token outside the allowed set"
@@ -135,8 +151,8 @@ def _first_token_frequencies(p_rows, q_rows, drafts, n, seed, one_hot):
     k = 1
     target = torch.cat([p_rows[0:1], p_rows[1:2]]).repeat(n, 1)  # [n * 2, V]
     dprobs = None if one_hot else [q_rows[0:1]] * n
-    out = rejection_sample(drafts, [k] * n, dprobs, target, [False] * n, [None] * n,
-                           torch.Generator().manual_seed(seed))
+    out = verify(drafts, [k] * n, target, [False] * n, dprobs,
+                 generator=torch.Generator().manual_seed(seed))
     return torch.bincount(out[:, 0], minlength=p_rows.shape[1]).numpy()
 
 
@@ -170,8 +186,8 @@ def test_bonus_token_distribution_when_all_accepted():
     p = torch.softmax(torch.randn(2, vocab, generator=g), -1)
     drafts = torch.multinomial(p[0], n, replacement=True, generator=g)
     target = p.repeat(n, 1)
-    out = rejection_sample(drafts, [1] * n, [p[0:1]] * n, target, [False] * n,
-                           [None] * n, torch.Generator().manual_seed(0))
+    out = verify(drafts, [1] * n, target, [False] * n, [p[0:1]] * n,
+                 generator=torch.Generator().manual_seed(0))
     assert bool((out[:, 0] == drafts).all())
     counts = torch.bincount(out[:, 1], minlength=vocab).numpy()
     _, pvalue = stats.chisquare(counts, _expected(p[1], n))

@@ -17,7 +17,7 @@ import torch
 
 from conftest import build_tiny_model, make_engine, random_prompts, staggered
 from engine import SamplingParams, StepError
-from engine.model_runner import RunItem
+from engine.batch import RunItem
 from engine.parallel.shard import devices, shard_model, shard_shape
 from server_utils import ServerProcess, save_tiny_model
 

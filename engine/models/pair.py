@@ -64,23 +64,6 @@ def _draft_model(config: EngineConfig, target: torch.nn.Module,
                          private=speculative.draft_vocab_size > 0)
 
 
-def load_speculator(config: EngineConfig, target: torch.nn.Module):
-    """The draft head `speculative.speculator` names, checked against the target (a clear
-    error naming the option when it is missing, corrupt or for another target), or None."""
-    if not config.speculative.uses_head:
-        return None
-    from engine.models.quantize import quantize_model
-    from engine.spec_decode.eagle import load_head
-
-    weight = target.get_input_embeddings().weight
-    head = load_head(config.speculative.speculator, target, weight.dtype, weight.device)
-    mode = config.speculative.speculator_quantization
-    if mode == "auto":
-        mode = "int4" if weight.device.type == "cpu" else "none"
-    quantize_model(head, mode, int4_kernel=config.int4_kernel, dtype=weight.dtype)
-    return head
-
-
 def eos_token_ids(model: torch.nn.Module, tokenizer) -> set[int]:
     """The model's end-of-sequence ids: its generation config's and its tokenizer's."""
     ids: set[int] = set()

@@ -24,12 +24,12 @@ import signal
 import threading
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
-from engine.attention.paged import SeqSpan
+from engine.batch import StepMeta
 from engine.models.loader import resolve_dtype
 from engine.parallel.group import TPGroup
 from engine.parallel.shard import devices, rank_device
@@ -43,15 +43,6 @@ REDUCE_CHECK_HIDDEN = 512  # features per row of the start-up check of the reduc
 
 class WorkerError(RuntimeError):
     """A tensor-parallel rank that failed to start or load (the message says which and why)."""
-
-
-@dataclass
-class StepMeta:
-    """One forward as a worker needs it: what `ModelRunner.execute` packed on rank 0."""
-
-    positions: np.ndarray  # [T] int64
-    slot_mapping: np.ndarray  # [T] int64
-    spans: list[SeqSpan]
 
 
 @dataclass
@@ -168,9 +159,10 @@ class Workers:
         """Every worker has its share of the model (rank 0's own: `weight_bytes`)."""
         self._record("loaded", weight_bytes=weight_bytes)
 
-    def start_runners(self, num_blocks: int) -> None:
-        """Every worker builds its runner on a pool of `num_blocks` (rank 0's number)..."""
-        self._send(("runner", num_blocks))
+    def start_runners(self, plan, num_blocks: int) -> None:
+        """Every worker builds its runner by rank 0's `RunnerPlan` (engine/runner_plan.py; on
+        its own device) on a pool of `num_blocks` (rank 0's number)..."""
+        self._send(("runner", plan, num_blocks))
 
     def wait_runners(self, kv_bytes: int) -> None:
         """... and has it (rank 0's pool: `kv_bytes`)."""
@@ -278,18 +270,18 @@ def worker_main(rank: int, store_port: int, config, model: torch.nn.Module | Non
 
 def _serve(rank: int, config, model: torch.nn.Module | None, conn, group: TPGroup) -> None:
     from engine.models.pair import load_target
-    from engine.runner_plan import RunnerPlan
 
     model, _ = load_target(config, model, None, rank=rank)
     conn.send(("loaded", {"weight_bytes": model_bytes(model)}))
-    plan = RunnerPlan.resolve(config, group.device)
     runner = None
     while True:
         kind, *args = conn.recv()
         if kind == "stop":
             return
-        if kind == "runner":
-            runner = plan.runner(model, args[0], config.block_size)
+        if kind == "runner":  # rank 0's plan (one decision), on this rank's device
+            plan, num_blocks = args
+            runner = replace(plan, device=group.device).runner(model, num_blocks,
+                                                               config.block_size)
             runner.join_group(group)
             invariant = runner.invariance is None or runner.invariance.invariant
             conn.send(("ready", {"kv_bytes": runner.kv_bytes, "invariant": invariant}))

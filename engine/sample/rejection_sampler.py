@@ -36,18 +36,21 @@ from engine.sample.keys import ACCEPT, restream
 from engine.sample.sampler import exponential_noise, keyed_uniforms
 
 PLACEHOLDER = -1
+NO_KEY = -1  # a row without a noise key (unseeded, or verified by pick)
 
 
 def rejection_sample(
     draft_token_ids: torch.Tensor,  # [num_draft_tokens] long
     num_draft_tokens: list[int],  # [B]
-    draft_probs: list[torch.Tensor | None] | None,  # [B] per sequence its q, [k_i, V] float,
-    #                                                 or None: one-hot on its drafts (n-gram)
     target_probs: torch.Tensor,  # [num_draft_tokens + B, V]: k_i + 1 rows per sequence. Rows
     #                              of sequences verified by pick are never read.
-    by_pick: list[bool],  # [B] verified by pick (greedy, or coupled seeded sampling)
-    noise_keys: list[list[int] | None],  # [B] seeded sequences verified by rejection: the
-    #                                      noise keys of their k_i + 1 positions
+    by_pick: np.ndarray,  # [B] bool: verified by pick (greedy, or coupled seeded sampling)
+    draft_probs: torch.Tensor | None = None,  # [num_draft_tokens, V] q; None: every draft
+    #                                           one-hot (n-gram)
+    has_q: np.ndarray | None = None,  # [B] bool: the sequence's rows of draft_probs hold its
+    #                                   q; False: one-hot on its drafts (rows never read)
+    noise_keys: np.ndarray | None = None,  # [num_draft_tokens + B] int64 per target row: the
+    #                     noise key of a seeded sequence verified by rejection, NO_KEY elsewhere
     default_generator: torch.Generator | None = None,
     picks: torch.Tensor | None = None,  # [num_draft_tokens + B] long; None: argmax of
     #                                     target_probs (greedy)
@@ -56,20 +59,19 @@ def rejection_sample(
     then the final token, then the output, over the same index grid."""
     grid = _Grid.of(draft_token_ids, num_draft_tokens, by_pick, target_probs)
     picks = target_probs.argmax(dim=-1) if picks is None else picks  # [num rows]
-    q = _DraftProbs(draft_probs, num_draft_tokens, grid.pos, grid.device)
-    num_accepted = _num_accepted(grid, target_probs, q, picks, num_draft_tokens, by_pick,
-                                 noise_keys, default_generator)
+    q = _DraftProbs(draft_probs, has_q, grid)
+    keys = _Keys.of(noise_keys, num_draft_tokens, by_pick)
+    num_accepted = _num_accepted(grid, target_probs, q, picks, keys, default_generator)
     # -- the final token: recovered at the first rejection, else bonus ------------------------
     final_rows = grid.target_start + num_accepted  # [B]
     final = picks[final_rows]  # by pick: the target's own token, recovered or bonus
-    if not all(by_pick):
+    if not by_pick.all():
         dist = target_probs[final_rows]  # [B, V]
         at = num_accepted.clamp(max=max(grid.max_k - 1, 0))[:, None]  # [B, 1] first rejection
         rejected_draft = grid.drafts.gather(1, at) if grid.max_k else at  # [B, 1]
         dist = _recovered_or_bonus(dist.float(), num_accepted < grid.k, rejected_draft,
                                    q.row(at))
-        noise = _final_noise(tuple(dist.shape), num_draft_tokens, by_pick, noise_keys,
-                             num_accepted, default_generator)
+        noise = _final_noise(tuple(dist.shape), keys, num_accepted, default_generator)
         final = torch.where(grid.is_pick, final, (dist / noise).argmax(dim=-1))
     return _emitted(grid, num_accepted, final)
 
@@ -84,15 +86,16 @@ class _Grid(NamedTuple):
     is_pick: torch.Tensor  # [B] bool: verified by pick
     target_start: torch.Tensor  # [B] each sequence's first target row
     pos: torch.Tensor  # [1, K] draft positions
+    d_idx: torch.Tensor  # [B, K] the index of each draft in the flat drafts (clamped)
     drafts: torch.Tensor  # [B, K] the draft tokens (past k_i: another sequence's, never read)
     t_rows: torch.Tensor  # [B, K] the target row of each draft
 
     @classmethod
-    def of(cls, draft_token_ids: torch.Tensor, num_draft_tokens: list[int], by_pick: list[bool],
-           target_probs: torch.Tensor) -> "_Grid":
+    def of(cls, draft_token_ids: torch.Tensor, num_draft_tokens: list[int],
+           by_pick: np.ndarray, target_probs: torch.Tensor) -> "_Grid":
         device = target_probs.device
         batch, max_k = len(num_draft_tokens), max(num_draft_tokens, default=0)
-        per_seq = to_device([num_draft_tokens, by_pick], torch.long, device)
+        per_seq = to_device([num_draft_tokens, by_pick.tolist()], torch.long, device)
         k, is_pick = per_seq[0], per_seq[1].bool()  # [B] each
         draft_start = torch.cumsum(k, 0) - k  # [B] offset of each sequence's drafts
         target_start = draft_start + torch.arange(batch, device=device)  # [B]
@@ -101,12 +104,31 @@ class _Grid(NamedTuple):
         drafts = draft_token_ids[d_idx] if max_k else torch.zeros((batch, 0), dtype=torch.long,
                                                                    device=device)  # [B, K]
         t_rows = (target_start[:, None] + pos).clamp(max=target_probs.shape[0] - 1)  # [B, K]
-        return cls(device, batch, max_k, k, is_pick, target_start, pos, drafts, t_rows)
+        return cls(device, batch, max_k, k, is_pick, target_start, pos, d_idx, drafts, t_rows)
+
+
+class _Keys(NamedTuple):
+    """The seeded sequences verified by rejection (`keyed`, in batch order) and, per such
+    sequence, the noise keys of its k + 1 rows."""
+
+    keyed: list[int]
+    rows: list[list[int]]
+    batch: int
+
+    @classmethod
+    def of(cls, noise_keys: np.ndarray | None, num_draft_tokens: list[int],
+           by_pick: np.ndarray) -> "_Keys":
+        keyed, rows, start = [], [], 0
+        for i, (k, pick) in enumerate(zip(num_draft_tokens, by_pick)):
+            if noise_keys is not None and not pick and noise_keys[start] != NO_KEY:
+                keyed.append(i)
+                rows.append(noise_keys[start:start + k + 1].tolist())
+            start += k + 1
+        return cls(keyed, rows, len(num_draft_tokens))
 
 
 def _num_accepted(grid: _Grid, target_probs: torch.Tensor, q: "_DraftProbs",
-                  picks: torch.Tensor, num_draft_tokens: list[int], by_pick: list[bool],
-                  noise_keys: list[list[int] | None],
+                  picks: torch.Tensor, keys: _Keys,
                   default: torch.Generator | None) -> torch.Tensor:
     """[B] the accepted drafts of each sequence: the longest accepted prefix."""
     if not grid.max_k:
@@ -114,8 +136,7 @@ def _num_accepted(grid: _Grid, target_probs: torch.Tensor, q: "_DraftProbs",
     drafts = grid.drafts
     p_x = target_probs[grid.t_rows, drafts]  # [B, K]
     q_x = q.at(drafts, p_x)
-    uniform = _uniforms((grid.batch, grid.max_k), num_draft_tokens, by_pick, noise_keys,
-                        default, grid.device)
+    uniform = _uniforms((grid.batch, grid.max_k), keys, default, grid.device)
     # q >= p: accept with probability p/q; q < p: always (uniform < 1 <= p/q)
     sampled_ok = uniform * q_x < p_x
     pick_ok = drafts == picks[grid.t_rows]
@@ -139,22 +160,12 @@ class _DraftProbs:
     """The sequences' q over the [B, K] draft grid; a sequence without q is one-hot on its
     drafts (q(x) = 1 at the draft, 0 elsewhere)."""
 
-    def __init__(self, qs: list[torch.Tensor | None] | None, num_draft_tokens: list[int],
-                 pos: torch.Tensor, device: torch.device) -> None:
-        qs = qs or [None] * len(num_draft_tokens)
-        has = [q is not None and k > 0 for q, k in zip(qs, num_draft_tokens)]
-        self.flat = torch.cat([q[:k] for q, k, h in zip(qs, num_draft_tokens, has) if h]) \
-            if any(has) else None  # [drafts with q, V]
-        if self.flat is None:
-            return
-        starts, at = [], 0
-        for k, h in zip(num_draft_tokens, has):
-            starts.append(at)
-            at += k if h else 0
-        per_seq = to_device([starts, has], torch.long, device)
-        self.has = per_seq[1].bool()  # [B]
-        self.start = per_seq[0]  # [B] first row of each sequence's q in `flat`
-        self.index = (self.start[:, None] + pos).clamp(max=self.flat.shape[0] - 1)  # [B, K]
+    def __init__(self, draft_probs: torch.Tensor | None, has_q: np.ndarray | None,
+                 grid: _Grid) -> None:
+        self.flat = draft_probs if has_q is not None and has_q.any() else None
+        if self.flat is not None:
+            self.has = to_device(has_q, torch.bool, grid.device)  # [B]
+            self.index = grid.d_idx  # [B, K] each draft's row of q
 
     def at(self, drafts: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         """[B, K] q of each draft token."""
@@ -187,25 +198,23 @@ def _recovered_or_bonus(p: torch.Tensor, rejected: torch.Tensor, rejected_draft:
     return torch.where(usable[:, None], residual, p)
 
 
-def _uniforms(shape: tuple[int, int], num_draft_tokens: list[int], by_pick: list[bool],
-              noise_keys: list[list[int] | None], default: torch.Generator | None,
+def _uniforms(shape: tuple[int, int], keys: _Keys, default: torch.Generator | None,
               device: torch.device) -> torch.Tensor:
     """[B, K] U(0, 1); a seeded sequence's uniform at each draft position is keyed by it."""
     uniform = torch.rand(shape, generator=default, device=device)
     rows, cols, keyed = [], [], []
-    for i, (k, pick, keys) in enumerate(zip(num_draft_tokens, by_pick, noise_keys)):
-        if keys is not None and k and not pick:
-            rows += [i] * k
-            cols += range(k)
-            keyed += [restream(key, ACCEPT) for key in keys[:k]]
+    for i, row_keys in zip(keys.keyed, keys.rows):
+        k = len(row_keys) - 1
+        rows += [i] * k
+        cols += range(k)
+        keyed += [restream(key, ACCEPT) for key in row_keys[:k]]
     if keyed:
         index = to_device([rows, cols], torch.long, device)
         uniform[index[0], index[1]] = keyed_uniforms(keyed, 1, device)[:, 0]
     return uniform
 
 
-def _final_noise(shape: tuple[int, int], num_draft_tokens: list[int], by_pick: list[bool],
-                 noise_keys: list[list[int] | None], num_accepted: torch.Tensor,
+def _final_noise(shape: tuple[int, int], keys: _Keys, num_accepted: torch.Tensor,
                  default: torch.Generator | None) -> torch.Tensor:
     """[B, V] the exponential noise of each sequence's final draw. A seeded sequence's is keyed
     by the position it lands on, which depends on how many drafts were accepted: the noise of
@@ -213,15 +222,13 @@ def _final_noise(shape: tuple[int, int], num_draft_tokens: list[int], by_pick: l
     device (the host never reads the count)."""
     device = num_accepted.device
     noise = torch.empty(shape, dtype=torch.float32, device=device)
-    keyed = [i for i, (keys, pick) in enumerate(zip(noise_keys, by_pick))
-             if keys is not None and not pick]
-    if len(keyed) < len(by_pick):
+    if len(keys.keyed) < keys.batch:
         noise.exponential_(generator=default)
-    if keyed:
-        candidates = [key for i in keyed for key in noise_keys[i][:num_draft_tokens[i] + 1]]
+    if keys.keyed:
+        candidates = [key for row_keys in keys.rows for key in row_keys]
         drawn = exponential_noise((len(candidates), shape[1]), candidates, device, None)
-        first = np.cumsum([0] + [num_draft_tokens[i] + 1 for i in keyed[:-1]])
-        index = to_device([keyed, first], torch.long, device)
+        first = np.cumsum([0] + [len(r) for r in keys.rows[:-1]])
+        index = to_device([keys.keyed, first], torch.long, device)
         noise[index[0]] = drawn[index[1] + num_accepted[index[0]]]
     return noise
 

@@ -12,20 +12,23 @@ from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 
 
-def row_spec(seq: Sequence, drafts: list[int] | int, stream: int = keys.RACE) -> RowSpec:
-    """How to sample the position after `drafts` (they count as generated tokens); a seeded
-    request's noise there is keyed by (seed, position, stream). `drafts` may be their number
-    where only the device holds them: never for a row that reads them (penalties, a grammar)."""
-    if isinstance(drafts, int):
-        assert seq.matcher is None and not seq.params.has_penalties, "drafts must be on the host"
-        history, position = seq.output_token_ids, seq.num_output_tokens + drafts
+def row_spec(seq: Sequence, j: int, drafts: list[int] | None = None,
+             stream: int = keys.RACE) -> RowSpec:
+    """How to sample the position after the sequence's first j drafts (they count as generated
+    tokens); a seeded request's noise there is keyed by (seed, position, stream). drafts: the
+    sequence's drafts on the host (at least j), which a row that reads them needs (penalties,
+    a grammar); None where only the device holds them."""
+    if drafts is None:
+        assert j == 0 or (seq.matcher is None and not seq.params.has_penalties), \
+            "this row reads its drafts: they must be on the host"
+        pending: list[int] = []
     else:
-        history = seq.output_token_ids + drafts if drafts else seq.output_token_ids
-        position = len(history)
+        pending = list(drafts[:j])
+    history = seq.output_token_ids + pending if pending else seq.output_token_ids
+    position = seq.num_output_tokens + j
     seed = seq.params.seed
     key = None if seed is None else keys.noise_key(seed, position, stream)
-    grammar = (None if seq.matcher is None else
-               GrammarRow(seq.grammars, seq.matcher, list(drafts)))
+    grammar = None if seq.matcher is None else GrammarRow(seq.grammars, seq.matcher, pending)
     return RowSpec(seq.params, seq.prompt_token_ids, history, key, grammar)
 
 

@@ -16,13 +16,14 @@ from __future__ import annotations
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from engine import device_io
+from engine.batch import Drafts
 from engine.sample import rejection_sampler, sampler
 from engine.sample.row_spec import by_pick, row_spec
 from engine.sequence import Sequence
-from engine.spec_decode.drafts import Drafts
 
 
 class GrammarMasks(NamedTuple):
@@ -68,7 +69,7 @@ class Verifier:
         rows, index, row = [], [], 0
         for i, (seq, n) in enumerate(zip(seqs, num_rows)):
             if n and seq.matcher is not None:
-                pending = drafts.of(i) if drafts is not None else []
+                pending = drafts.host_of(i) if drafts is not None else []
                 rows += [(seq.matcher, pending[:j]) for j in range(n)]
                 index += range(row, row + n)
             row += n
@@ -88,7 +89,10 @@ class Verifier:
         logprobs: list[list | None] = [None for _ in seqs]
         if not owners:
             return Verified(tokens, logprobs, None)
-        rows = [row_spec(o.seq, _before(drafts, o, j)) for o in owners for j in range(o.k + 1)]
+        rows: list[sampler.RowSpec] = []  # each owner's k + 1 rows
+        for o in owners:
+            host = drafts.host_of(o.index) if o.k else None
+            rows += [row_spec(o.seq, j, host) for j in range(o.k + 1)]
         emitted = self._emitted(owners, rows, logits, drafts, masks)
         lp = self._logprob_tensors(owners, emitted, logits)
         ended = self.marks.mark()
@@ -109,25 +113,21 @@ class Verifier:
         processed = sampler.process_logits(logits, tensors)
         if not any(o.k for o in owners):  # no speculation this step: one vectorized draw
             return sampler.sample(processed, tensors, self.generator)[:, None]
-        picked = [by_pick(o.seq.params, self.coupled) for o in owners]
+        picked = np.array([by_pick(o.seq.params, self.coupled) for o in owners])
+        per_row = np.repeat(np.arange(len(owners)), [o.k + 1 for o in owners])  # its owner
         # the target's own pick at every row verified by pick: a keyed race for coupled
         # sampled rows, the argmax for the rest (never read for rows verified by rejection)
-        race = [pick and not o.seq.params.greedy
-                for o, pick in zip(owners, picked) for _ in range(o.k + 1)]
-        picks = sampler.sample(processed, tensors, race=race)
+        greedy = np.array([o.seq.params.greedy for o in owners])
+        picks = sampler.sample(processed, tensors, race=(picked & ~greedy)[per_row].tolist())
         # rows verified by pick only need their picks, which the processed logits already gave
-        target = processed if all(picked) else torch.softmax(processed, dim=-1)
-        qs = [None if pick or drafts.q[o.index] is None else drafts.q[o.index][:o.k]
-              for o, pick in zip(owners, picked)]
-        at = 0  # each owner's first row
-        noise_keys = []
-        for o, pick in zip(owners, picked):
-            keyed = not pick and o.seq.params.seed is not None
-            noise_keys.append([r.noise_key for r in rows[at:at + o.k + 1]] if keyed else None)
-            at += o.k + 1
+        target = processed if picked.all() else torch.softmax(processed, dim=-1)
+        noise_keys = np.array([rejection_sampler.NO_KEY if picked[o] or r.noise_key is None
+                               else r.noise_key for r, o in zip(rows, per_row)], dtype=np.int64)
+        has_q = np.array([drafts.has_q[o.index] for o in owners]) & ~picked
         return rejection_sampler.rejection_sample(
-            drafts.ids(self.device), [o.k for o in owners], qs, target, picked, noise_keys,
-            self.generator, picks)
+            drafts.token_ids, [o.k for o in owners], target, picked,
+            draft_probs=drafts.draft_probs, has_q=has_q, noise_keys=noise_keys,
+            default_generator=self.generator, picks=picks)
 
     def _logprob_tensors(self, owners: list[_Owner], emitted: torch.Tensor,
                          logits: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
@@ -166,11 +166,3 @@ class Verifier:
                                                   ids[at:at + m], [n] * m))
             at += o.k + 1
         return result
-
-
-def _before(drafts: Drafts | None, owner: _Owner, j: int) -> list[int] | int:
-    """The owner's first j drafts (their number where only the device holds them)."""
-    if not j:
-        return []
-    host = drafts.host[owner.index]
-    return host[:j] if host is not None else j

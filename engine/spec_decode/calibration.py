@@ -12,8 +12,9 @@ from typing import Callable
 
 import torch
 
+from engine.batch import RunItem
 from engine.block_manager import BlockManager
-from engine.model_runner import ModelRunner, RunItem
+from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 from engine.spec_decode.adaptive import ForwardCost, KController

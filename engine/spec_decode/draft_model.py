@@ -35,13 +35,12 @@ import torch
 from engine import device_io
 from engine.block_manager import BlockManager
 from engine.device_io import Marks, to_device
-from engine.model_runner import ModelShape, RunItem
+from engine.batch import Drafts, ModelShape, RunItem
 from engine.models.draft import restrict_vocabulary
 from engine.sample import sampler
 from engine.runner_plan import RunnerPlan
 from engine.sample.row_spec import by_pick, draft_stream, row_spec
 from engine.sequence import Sequence
-from engine.spec_decode.drafts import Drafts
 from engine.spec_decode.proposer import Proposal, Proposer
 
 
@@ -107,14 +106,11 @@ class DraftModelProposer(Proposer):
             out[:, :self.valid_vocab] = logits[:, :self.valid_vocab]
         return out
 
-    def _row(self, seq: Sequence, drafts: list[int] | int) -> sampler.RowSpec:
-        return self.sampler.row(seq, drafts)
-
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], ks: list[int]) -> Proposal:
         ks = [self._reserve(s, k) for s, k in zip(seqs, ks)]
         active = [i for i, k in enumerate(ks) if k > 0]
-        specs = [self._row(seqs[i], []) for i in active]
+        specs = [self.sampler.row(seqs[i], 0) for i in active]
         # rows under a grammar or with penalties need each draft on the host before the next
         defer = self.defer_reads and not any(r.grammar is not None or r.params.has_penalties
                                              for r in specs)
@@ -129,10 +125,11 @@ class DraftModelProposer(Proposer):
         while active:
             step = len(forwards)
             if step:
-                specs = [self._row(seqs[i], step if defer else known[i]) for i in active]
+                specs = [self.sampler.row(seqs[i], step, None if defer else known[i])
+                         for i in active]
             start = marks.mark()
             logits = self._to_target_vocab(self.runner.execute(
-                items, None if ids is None else Drafts.on_device(ids)).logits)
+                items, None if ids is None else Drafts([1] * len(items), ids)).logits)
             sampled, q, confident = self.sampler.draft_token(
                 logits, specs, any(ks[i] > step + 1 for i in active))
             forward = _Forward(active, sampled, q, confident,
@@ -241,9 +238,10 @@ class DraftSampler:
         self.generator = torch.Generator(device=device).manual_seed(seed + 1)
         self.settings = sampler.SettingsCache()
 
-    def row(self, seq: Sequence, drafts: list[int] | int) -> sampler.RowSpec:
-        """The draft's row after `drafts` (their number when they stay on the device)."""
-        return row_spec(seq, drafts, draft_stream(self.coupled))
+    def row(self, seq: Sequence, j: int, drafts: list[int] | None = None) -> sampler.RowSpec:
+        """The draft's row after the sequence's first j drafts (`drafts`: their ids, None
+        where they stay on the device)."""
+        return row_spec(seq, j, drafts, draft_stream(self.coupled))
 
     def draft_token(self, logits: torch.Tensor, row_specs: list[sampler.RowSpec],
                     more_wanted: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:

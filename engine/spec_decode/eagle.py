@@ -29,6 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.config import EngineConfig
+from engine.models.quantize import quantize_model
+
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 FORMAT = "specserve-eagle-head-1"
@@ -263,6 +266,21 @@ def load_head(path: str, model: nn.Module, dtype: torch.dtype, device: torch.dev
                if t.numel()):
         raise HeadFileError(f"invalid {option}: {where} holds non-finite weights")
     return head.to(device=device, dtype=dtype).eval()
+
+
+def load_speculator(config: EngineConfig, target: nn.Module) -> EagleHead | None:
+    """The draft head `speculative.speculator` names, checked against the target (a clear
+    error naming the option when it is missing, corrupt or for another target) and quantized
+    as `speculator_quantization` says, or None where the config serves no head."""
+    if not config.speculative.uses_head:
+        return None
+    weight = target.get_input_embeddings().weight
+    head = load_head(config.speculative.speculator, target, weight.dtype, weight.device)
+    mode = config.speculative.speculator_quantization
+    if mode == "auto":
+        mode = "int4" if weight.device.type == "cpu" else "none"
+    quantize_model(head, mode, int4_kernel=config.int4_kernel, dtype=weight.dtype)
+    return head
 
 
 def initialize_from_target(head: EagleHead, model: nn.Module) -> None:

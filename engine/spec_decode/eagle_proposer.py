@@ -36,7 +36,7 @@ from engine import device_io
 from engine.attention import paged
 from engine.block_manager import BlockManager
 from engine.device_io import Marks, to_device
-from engine.model_runner import RunItem, StepLogits
+from engine.batch import RunItem, StepLogits
 from engine.sequence import Sequence
 from engine.spec_decode.draft_model import DraftSampler
 from engine.spec_decode.eagle import EagleHead
@@ -202,7 +202,7 @@ class EagleProposer(Proposer):
         while active:
             start = marks.mark()
             h, logits = self._forward(rows, keep_last=True)
-            specs = [self.sampler.row(seqs[i], drafts[i]) for i in active]
+            specs = [self.sampler.row(seqs[i], len(drafts[i]), drafts[i]) for i in active]
             sampled, q, confident = self.sampler.draft_token(
                 logits, specs, any(ks[i] > step + 1 for i in active))
             forwards.append((sum(len(r.token_ids) for r in rows), len(rows), start,

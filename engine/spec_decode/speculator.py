@@ -24,13 +24,14 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, SpeculativeConfig
-from engine.model_runner import ModelRunner, StepLogits
+from engine.batch import Drafts, StepLogits
+from engine.model_runner import ModelRunner
 from engine.runner_plan import RunnerPlan
+from engine.sample.row_spec import by_pick
 from engine.sequence import Sequence
 from engine.spec_decode.adaptive import AcceptanceStats, KController, RealizedRates
 from engine.spec_decode.calibration import calibrate
 from engine.spec_decode.draft_model import DraftModelProposer
-from engine.spec_decode.drafts import Drafts
 from engine.spec_decode.eagle import EagleHead
 from engine.spec_decode.eagle_proposer import EagleProposer
 from engine.spec_decode.ngram import NgramProposer
@@ -88,9 +89,12 @@ class Speculator(NoSpeculation):
     enabled = True
 
     def __init__(self, config: SpeculativeConfig, proposer: Proposer | None,
-                 max_model_len: int, max_num_batched_tokens: int,
+                 max_model_len: int, max_num_batched_tokens: int, device: torch.device,
                  suffix: SuffixCache | None = None) -> None:
+        """device: the target's (where each step's drafts go)."""
         self.config = config
+        self.device = device
+        self.coupled = config.verification == "coupled"
         self.proposer = proposer  # the draft model or prompt lookup; None: suffix only
         self.suffix = suffix  # suffix and hybrid
         self.method = ("eagle" if config.uses_head else "ngram" if config.method == "ngram"
@@ -140,15 +144,15 @@ class Speculator(NoSpeculation):
             for seq in seqs:
                 self._clear(self._states.get(seq.request_id))
             return None
-        host, device, q = [], [], []
+        per_seq = []  # (ids on the host or the device, q where rejection sampling reads it)
         for seq, k in zip(seqs, num_drafts):
             state = self._states.get(seq.request_id) or SpecState()
-            host.append(state.drafts[:k] if state.drafts is not None else
-                        None if state.device is not None and k else [])
-            device.append(state.device[:k] if state.device is not None and k else None)
-            q.append(state.q)
+            ids = (state.device[:k] if k and state.device is not None
+                   else (state.drafts or [])[:k])
+            read_q = k and state.q is not None and not by_pick(seq.params, self.coupled)
+            per_seq.append((ids, state.q[:k] if read_q else None))
             self._clear(state)
-        return Drafts(host, device, q, list(num_drafts))
+        return Drafts.gather(per_seq, self.device)
 
     @property
     def num_states(self) -> int:
@@ -465,7 +469,7 @@ def build_speculator(config: EngineConfig, plan: RunnerPlan, target: ModelRunner
                              spec_factor=speculative.suffix_spec_factor,
                              min_token_prob=speculative.suffix_min_token_prob)
     speculator = Speculator(speculative, proposer, max_model_len, config.max_num_batched_tokens,
-                            suffix)
+                            target.device, suffix)
     if speculative.adaptive and speculative.calibrate:
         calibrate(speculator.controller, block_manager, target,
                   proposer if speculative.uses_head else getattr(proposer, "runner", None))

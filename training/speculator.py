@@ -1,10 +1,11 @@
 """Training a draft head (engine/spec_decode/eagle.py) from the target: `specserve speculator train`.
 
-Must not change the engine: it drives a plain engine through its public API and reads the
-target's layers the way the runner does (engine/models/lean_forward.py).
+Must not change the engine: it sits above it (nothing in engine/ imports training/), drives a
+plain engine through its public API and reads the target's layers the way the runner does
+(engine/models/lean_forward.py).
 
 1. Data (self-distillation, EAGLE's recipe): the target answers the prompts (a user's chat
-   JSONL, or the default set of engine/spec_decode/train_prompts.py) at high concurrency in our
+   JSONL, or the default set of training/prompts.py) at high concurrency in our
    engine, greedy and sampled alternately, and `Recorder` keeps what its forwards compute: the
    captured layers' outputs at every position and the target's next-token distribution at
    every answer position (its top TOP_K, kept as soft labels). Raw text (`--text DIR`) adds
@@ -96,7 +97,7 @@ def read_prompts(path: str | None) -> list[list[dict] | str]:
     """Conversations from a chat JSONL file (`messages`, or `prompt` for raw text), or the
     default set."""
     if path is None:
-        from engine.spec_decode.train_prompts import default_prompts
+        from training.prompts import default_prompts
 
         return default_prompts()
     out: list[list[dict] | str] = []
