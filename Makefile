@@ -20,8 +20,12 @@ install: $(STAMP)
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# `HOST=0.0.0.0 PORT=9000 make serve` (or make serve HOST=... PORT=...) overrides the config's
+HOST ?=
+PORT ?=
 serve: install
-	$(VENV)/bin/specserve serve --config configs/default.yaml --fetch-missing
+	$(VENV)/bin/specserve serve --config configs/default.yaml --fetch-missing \
+		$(if $(HOST),--host $(HOST)) $(if $(PORT),--port $(PORT))
 
 bench-engine: install
 	$(VENV)/bin/specserve models fetch smollm2-135m-instruct qwen2.5-coder-0.5b-instruct

@@ -95,7 +95,7 @@ def ideal_speedup(engine) -> float:
     verification plus one target pass over 1 + k tokens, from the engine's measured cost table),
     relative to one plain target pass per token. Everything else in a step (scheduling,
     sampling, verification bookkeeping) is what keeps the measured speedup below it."""
-    ctl, st = engine.speculator.controller, engine.speculator.stats
+    ctl, st = engine.speculator.guard.controller, engine.speculator.stats
     k = st.num_draft_tokens / max(st.num_drafts, 1)  # mean drafts per verification
     step_seconds = ctl.target_cost(1 + k) + st.draft_seconds / max(st.num_drafts, 1)
     return st.mean_accepted_length * ctl.target_cost(1) / step_seconds

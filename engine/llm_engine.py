@@ -2,7 +2,9 @@
 
 One `step()`: schedule -> ONE target forward (prompt chunks and 1 + k verification tokens
 together) -> verify (exact rejection sampling; plain sampling is the k = 0 case) -> update
-(commit, roll back rejected slots, stop checks) -> propose the next drafts.
+(commit, roll back rejected slots, stop checks) -> propose the next drafts. The speculator
+hears of the step three times (engine/spec_decode/speculator.py): its drafts are taken, the
+verification's results given, and the step's record handed over with the request to propose.
 
 Must not know about HTTP. The server drives `step()` from its own thread through a small client
 class; offline users call `generate()`.
@@ -33,6 +35,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sequence import Sequence
 from engine.spec_decode.eagle import load_speculator
+from engine.spec_decode.guard import StepRecord
 from engine.spec_decode.speculator import build_speculator
 from engine.structured import Grammars
 
@@ -220,32 +223,25 @@ class LLMEngine:
         step_started = time.perf_counter()
         out = self.scheduler.schedule()
         self._touched = seqs = [s.seq for s in out.scheduled]
-        self.speculator.drop(out.preempted, finished=False)
+        drafts = self.speculator.take(out)  # (it forgets the preempted ones)
         if out.is_empty:
             return []
-        started = self._marks.mark()
-        drafts = self.speculator.take(seqs, [s.num_drafts for s in out.scheduled])
+        target_started = self._marks.mark()
         masks = self.verifier.grammar_masks(seqs, [s.num_sample_rows for s in out.scheduled],
                                             drafts)  # computed while the target runs
-        step_logits = self.runner.execute(
+        step = self.runner.execute(
             [RunItem(s.token_ids, s.start, s.seq.block_table, s.num_sample_rows,
                      s.seq.num_prompt_tokens) for s in out.scheduled], drafts)
-        if step_logits.hidden is not None:  # a draft head's features (none: nothing to do)
-            self.speculator.keep_features(
-                [(s.seq, s.start, len(s.token_ids) + s.num_drafts) for s in out.scheduled],
-                step_logits)
-        verified = self.verifier.verify(seqs, step_logits.logits, step_logits.row_offsets,
-                                        drafts, masks)
-        # a step without rows reads nothing back: on CUDA its time is then unknown
-        seconds = (self._marks.seconds(started, verified.ended) if verified.ended is not None
-                   else None if self._marks.cuda else
-                   self._marks.seconds(started, time.perf_counter()))
-        self.speculator.observe(out.num_batched_tokens, len(out.scheduled), seconds,
-                                ((s.seq, s.num_drafts, len(t) - 1)
-                                 for s, t in zip(out.scheduled, verified.tokens) if t))
+        verified = self.verifier.verify(seqs, step.logits, step.row_offsets, drafts, masks)
+        self.speculator.verified(out, step, verified.tokens)
+        record = StepRecord(step_started, out.num_batched_tokens, len(out.scheduled),
+                            [(s.num_drafts, len(t) - 1)
+                             for s, t in zip(out.scheduled, verified.tokens) if t],
+                            self._marks, target_started, verified.ended)
         changed = self._update(out, verified.tokens, verified.logprobs)
         self._touched = list(self.scheduler.running)  # proposing drafts touches every one
-        self.speculator.propose(self.scheduler.running, self._num_joining(), step_started)
+        self.speculator.propose(self.scheduler.running, [s for s in changed if s.is_finished],
+                                self._num_joining(), record)
         return [self._output(seq) for seq in changed]
 
     def _update(self, out: SchedulerOutput, tokens: list[list[int]],
@@ -260,7 +256,6 @@ class LLMEngine:
                     seq.output_token_ids[before:]):
                 log.warning("request %s: its output left its grammar (%s)", seq.request_id,
                             seq.matcher.get_error())
-        self.speculator.drop([s for s in changed if s.is_finished], finished=True)
         return changed
 
     def _num_joining(self) -> int:

@@ -96,3 +96,52 @@ def test_the_graph_sees_lazy_and_package_imports(tmp_path):
 def test_no_import_cycle_among_engine_modules():
     cycle = find_cycle(graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+# The import layers of docs/ARCHITECTURE.md: a module imports only modules of its own layer or
+# of the layers below (first match of its name's prefix decides).
+LAYERS = [
+    ("engine.config engine.errors engine.device_io engine.sampling_params engine.sequence "
+     "engine.batch engine.sample.keys", 0),
+    ("engine.block_manager engine.scheduler engine.outputs engine.request_check "
+     "engine.structured engine.engine_stats", 1),
+    ("engine.kernels engine.attention engine.models engine.parallel.shard engine.parallel.group",
+     2),
+    ("engine.sample", 3),
+    ("engine.model_runner engine.static_steps engine.memory_plan engine.runner_plan "
+     "engine.parallel", 4),
+    ("engine.spec_decode", 5),
+    ("engine.llm_engine engine", 6),
+]
+
+
+def layer_of(module: str) -> int:
+    for names, layer in LAYERS:
+        for name in names.split():
+            if module == name or (name != PACKAGE and module.startswith(name + ".")):
+                return layer
+    raise AssertionError(f"{module} is in no layer of docs/ARCHITECTURE.md")
+
+
+def test_every_import_goes_to_the_same_layer_or_below():
+    assert layer_of("engine.parallel.shard") == 2 and layer_of("engine.parallel.workers") == 4
+    upward = [f"{m} (layer {layer_of(m)}) imports {d} (layer {layer_of(d)})"
+              for m, deps in graph().items() for d in deps if layer_of(d) > layer_of(m)]
+    assert not upward, "\n".join(upward)
+
+
+MAX_FUNCTION_LINES = 60
+
+
+def test_no_engine_function_is_longer_than_a_screen():
+    """Functions short enough to read at once; a Triton kernel (`@triton.jit`) is one piece."""
+    long = []
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            jit = any("jit" in ast.unparse(d) for d in node.decorator_list)
+            lines = node.end_lineno - node.lineno + 1
+            if lines > MAX_FUNCTION_LINES and not jit:
+                long.append(f"{name}.{node.name}: {lines} lines")
+    assert not long, "\n".join(long)

@@ -105,8 +105,8 @@ def test_seeded_speculation_equals_plain_under_adaptive_k(pair, plain_outputs, t
     """Adaptive k from forced cost tables: k changes from step to step, the tokens do not."""
     target, draft = pair
     engine = make_engine(target, "draft_model", draft, k_max=6)
-    engine.speculator.config.adaptive = engine.speculator.controller.adaptive = True
-    ctl = engine.speculator.controller
+    engine.speculator.config.adaptive = engine.speculator.guard.controller.adaptive = True
+    ctl = engine.speculator.guard.controller
     target_costs = ({1: 0.01, 8: 0.011, 64: 0.02} if tables == "cheap_draft"
                     else {1: 0.01, 4: 0.02, 16: 0.08, 64: 0.3})
     draft_costs = {1: 0.0005, 64: 0.001} if tables == "cheap_draft" else {1: 0.003, 64: 0.05}

@@ -234,8 +234,8 @@ def test_request_can_opt_out_of_speculation():
 def test_adaptive_engine_calibrates_and_stays_exact():
     target = build_tiny_model("qwen2")
     engine = make_engine(target, "draft_model", target, adaptive=True)
-    assert not engine.speculator.controller.target_cost.empty
-    assert not engine.speculator.controller.draft_cost.empty
+    assert not engine.speculator.guard.controller.target_cost.empty
+    assert not engine.speculator.guard.controller.draft_cost.empty
     prompts = random_prompts(LENGTHS)
     greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     outs = engine.generate(prompts, greedy)
@@ -474,9 +474,9 @@ def test_without_adaptive_k_the_realized_rates_change_nothing(method):
     prompts = repetitive_prompts()[:2]
     engine = make_engine(target, method, target if method == "draft_model" else None, k_max=3)
     for _ in range(16):  # speculation "measured" far slower than plain
-        engine.speculator.realized.record(1, True, 1, 1.0)
-        engine.speculator.realized.record(1, False, 100, 1.0)
-    table = engine.speculator.controller.draft_cost.table = CostTable(alpha=0.0)
+        engine.speculator.guard.realized.record(1, True, 1, 1.0)
+        engine.speculator.guard.realized.record(1, False, 100, 1.0)
+    table = engine.speculator.guard.controller.draft_cost.table = CostTable(alpha=0.0)
     table.record(1, 1e-3)
     table.record(64, 10.0)  # a prompt's catch-up "costs" seconds
     for p in prompts:
@@ -546,7 +546,7 @@ def test_a_prompt_is_caught_up_only_where_realized_speculation_pays_it_back(real
     params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
     plain = make_engine(target).generate(prompt, params)
     engine = make_engine(target, "draft_model", target, adaptive=True)
-    spec = engine.speculator
+    spec = engine.speculator.guard
     spec.realized.decay = 1.0  # these rates outweigh what the run itself measures
     for _ in range(spec.realized.min_spec_steps):
         spec.realized.record(1, True, int(realized_spec_rate * 1e6), 1e6)

@@ -34,7 +34,7 @@ class GrammarMasks(NamedTuple):
 class Verified(NamedTuple):
     """Per sequence of the step: its emitted tokens (accepted drafts + one sampled token; []
     for a prompt chunk that samples nothing), their logprobs (None unless asked for), and the
-    device mark of the step's end (None when nothing was sampled)."""
+    device mark of the step's end (None on CUDA when nothing was sampled: no read)."""
 
     tokens: list[list[int]]
     logprobs: list[list | None]
@@ -87,8 +87,8 @@ class Verifier:
                   in enumerate(zip(seqs, row_offsets, row_offsets[1:])) if hi > lo]
         tokens: list[list[int]] = [[] for _ in seqs]
         logprobs: list[list | None] = [None for _ in seqs]
-        if not owners:
-            return Verified(tokens, logprobs, None)
+        if not owners:  # nothing to read: the host clock knows the end, CUDA's does not
+            return Verified(tokens, logprobs, None if self.marks.cuda else self.marks.mark())
         rows: list[sampler.RowSpec] = []  # each owner's k + 1 rows
         for o in owners:
             host = drafts.host_of(o.index) if o.k else None
