@@ -66,7 +66,8 @@ class Drafts:
     - `draft_probs` [num_tokens, V] q, or None when no sequence's drafts need it; `has_q[i]`:
       sequence i's rows hold its q. False marks drafts whose q is never read: one-hot drafts
       (prompt lookup, suffix: q(x) = 1 at the draft) and drafts verified by the target's pick
-      (greedy, coupled seeded sampling); their rows are left unset.
+      (greedy, coupled seeded sampling); their rows are allocated but left unset (a step
+      mixing both pays for them: at most the size of its target probabilities).
     Each draft follows the one before it in its sequence (a chain). A token tree fits the same
     object: a parents tensor ([num_tokens], -1 for the last committed token) where a chain's
     parents are i - 1, with the same offsets, ids and q rows per node.

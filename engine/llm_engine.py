@@ -60,8 +60,8 @@ class LLMEngine:
         given = model  # whole: tensor-parallel workers take their shares of it
         model, tokenizer, draft_model = load_models(config, model, tokenizer, draft_model)
         self.tokenizer = tokenizer
-        head = load_speculator(config, model)  # a draft head reads the target's hidden states
         self.plan = plan = RunnerPlan.resolve(config, next(model.parameters()).device)
+        head = load_speculator(config, model)  # a draft head reads the target's hidden states
         models = [model] + ([draft_model] if draft_model is not None else [])
         target = plan.build_target(config, model, given, models,
                                    (head,) if head is not None else ())
@@ -223,10 +223,10 @@ class LLMEngine:
         step_started = time.perf_counter()
         out = self.scheduler.schedule()
         self._touched = seqs = [s.seq for s in out.scheduled]
+        target_started = self._marks.mark()  # the pass's time includes placing its drafts
         drafts = self.speculator.take(out)  # (it forgets the preempted ones)
         if out.is_empty:
             return []
-        target_started = self._marks.mark()
         masks = self.verifier.grammar_masks(seqs, [s.num_sample_rows for s in out.scheduled],
                                             drafts)  # computed while the target runs
         step = self.runner.execute(

@@ -44,6 +44,8 @@ class ModelRunner:
         model.set_attn_implementation(paged.register())
         self.model = model.eval()
         self.device = next(model.parameters()).device
+        assert backend is not None or attention_backend in ("sdpa", "triton"), \
+            "a runner takes the backend its RunnerPlan resolved"
         self.attention_backend = (type(backend).__name__ if backend is not None
                                   else attention_backend)
         self.invariance = None

@@ -125,7 +125,7 @@ class RealizedRates:
     batch's own overhead, suffix lookups). What a steady run does not pay is kept out and
     judged apart: a long catch-up of the draft model (a prompt, or tokens emitted by plain
     steps) serves every later step, so it is an investment `pays_back` weighs against what
-    speculation saves (see Speculator._invest).
+    speculation saves (see guard.py `Guard._invest`).
 
     `decide` answers per step. Speculation runs ("speculate") until the class has both rates
     and speculation's is the lower, with one plain step in `refresh_every` to keep the plain
@@ -259,7 +259,7 @@ class KController:
             self._gain_sums[1] += predicted_accepted
 
     def decay_evidence(self) -> None:
-        """Decay the evidence: per verification, and (called by the speculator) per step
+        """Decay the evidence: per verification, and (called by the guard) per step
         without drafts, so a prior or gain scale that turned speculation off cannot keep it off
         forever."""
         d = self.feedback_decay

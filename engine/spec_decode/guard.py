@@ -13,10 +13,11 @@ it what happened. The guard owns every measurement and decision of speculation's
   is made only where it pays back (`_invest`) or, unproven, within a small share of the time
   (`_affordable`).
 
-Fed once per step by the speculator, in this order: `step(record)` with the engine's
-`StepRecord` (what ran and when; its realized rate includes the proposal the step verified),
-`mode` and `choose` for the next proposal, `drafted` with the proposal, `proposed` with its
-time. Also per verification (`verification`) and per finished request (`finished`).
+Fed by the speculator, each step in this order: `step(record)` with the engine's `StepRecord`
+(what ran and when; its realized rate includes the proposal the step verified); where some
+sequence may draft, `mode` and `choose` for the next proposal, and `drafted` with the proposal
+where the proposer drafts; `proposed` with the propose call's time. Also per verification
+(`verification`) and per finished request (`finished`).
 """
 
 from __future__ import annotations
@@ -26,11 +27,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from typing import TYPE_CHECKING
+
 from engine.config import SpeculativeConfig
 from engine.sequence import Sequence
 from engine.spec_decode.adaptive import AcceptanceStats, KController, RealizedRates
-from engine.spec_decode.proposer import Proposal
 from engine.spec_decode.stats import SpecDecodeStats
+
+if TYPE_CHECKING:  # (a proposal is read through its methods: no torch here)
+    from engine.spec_decode.proposer import Proposal
 
 # a step whose drafts come after more tokens than a steady run leaves the draft model behind
 # (the bonus token, and the last draft when all were accepted) includes a catch-up
@@ -73,7 +78,7 @@ class _LastProposal:
 class Choice(NamedTuple):
     """The plan for the next step's candidates: k of the proposer (draft model, head, prompt
     lookup) and k of their suffix proposals (at most one of the two nonzero), and the
-    acceptance estimate each sequence's k was chosen on."""
+    acceptance estimate each sequence's k was chosen on (none in a plain step)."""
 
     draft_ks: list[int]
     suffix_ks: list[int]
