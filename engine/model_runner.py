@@ -6,11 +6,11 @@ and owns only the model and its KV tensors (and, split over ranks, its place in 
 Packing (no padding between sequences): `input_ids`, `positions` and `slot_mapping`
 (`block_id * block_size + offset`) over all new tokens of all sequences (a sequence's new tokens
 are its item's token ids, then its drafts of the step's `Drafts`: engine/batch.py); per
-sequence a span (its rows, context length, block table) for attention. Logits are computed only at the rows
-whose next token is wanted (`logits_to_keep`), which also skips the vocabulary projection for
-the rest of a prompt chunk. With tensor parallelism (engine/parallel/) the model is one rank's
-share: rank 0's runner sends each forward's metadata and input ids to the other ranks, whose
-runners run the same forward with it (`follow`).
+sequence a span (its rows, context length, block table) for attention. Logits are computed
+only at the rows whose next token is wanted (`logits_to_keep`), which also skips the
+vocabulary projection for the rest of a prompt chunk. With tensor parallelism
+(engine/parallel/) the model is one rank's share: rank 0's runner sends each forward's metadata
+and input ids to the other ranks, whose runners run the same forward with it (`follow`).
 """
 
 from __future__ import annotations

@@ -121,8 +121,11 @@ class Verifier:
         picks = sampler.sample(processed, tensors, race=(picked & ~greedy)[per_row].tolist())
         # rows verified by pick only need their picks, which the processed logits already gave
         target = processed if picked.all() else torch.softmax(processed, dim=-1)
-        noise_keys = np.array([rejection_sampler.NO_KEY if picked[o] or r.noise_key is None
-                               else r.noise_key for r, o in zip(rows, per_row)], dtype=np.int64)
+        # seeded sequences verified by rejection: their rows' noise keys (none: no keys)
+        keyed = np.array([o.seq.params.seed is not None for o in owners]) & ~picked
+        noise_keys = np.array([r.noise_key if keyed[o] else rejection_sampler.NO_KEY
+                               for r, o in zip(rows, per_row)], dtype=np.int64) \
+            if keyed.any() else None
         has_q = np.array([drafts.has_q[o.index] for o in owners]) & ~picked
         return rejection_sampler.rejection_sample(
             drafts.token_ids, [o.k for o in owners], target, picked,
