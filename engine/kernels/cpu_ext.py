@@ -29,8 +29,9 @@ def cpu_flags() -> set[str]:
 
 
 @functools.cache
-def load(source: str, flags: tuple[str, ...] = AVX512):
-    """The compiled module of csrc/`source`, or why there is none (a str)."""
+def load(source: str, flags: tuple[str, ...] = AVX512, cflags: tuple[str, ...] = ()):
+    """The compiled module of csrc/`source`, or why there is none (a str); `cflags`: more
+    compiler options."""
     missing = [f for f in flags if f not in cpu_flags()]
     if missing:
         return f"the CPU lacks {', '.join(missing)}"
@@ -38,7 +39,7 @@ def load(source: str, flags: tuple[str, ...] = AVX512):
 
     path = SOURCES / source
     text = path.read_bytes() + b"".join(h.read_bytes() for h in sorted(SOURCES.glob("*.h")))
-    digest = hashlib.sha256(text + repr(flags).encode()).hexdigest()[:12]
+    digest = hashlib.sha256(text + repr((flags, cflags)).encode()).hexdigest()[:12]
     name = f"specserve_{path.stem}_{digest}"
     where = KERNEL_CACHE / name
     where.mkdir(parents=True, exist_ok=True)
@@ -47,7 +48,7 @@ def load(source: str, flags: tuple[str, ...] = AVX512):
     try:
         return build(name=name, sources=[str(path)],
                      extra_cflags=["-O3", "-fopenmp"]  # at::parallel_for is OpenMP inline
-                     + [f"-m{f.replace('_', '')}" for f in flags],
+                     + [f"-m{f.replace('_', '')}" for f in flags] + list(cflags),
                      extra_ldflags=["-fopenmp"],  # libgomp.so.1: the one torch has loaded
                      build_directory=str(where), verbose=False)
     except Exception as exc:  # noqa: BLE001 - no compiler, no headers: say so, use torch's
