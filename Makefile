@@ -54,11 +54,13 @@ bench-eagle: install
 	$(PY) bench/spec_methods.py --speculator $(SPECULATOR)
 
 # specserve (bf16, int4, int4 + speculation) against llama.cpp's server on the same GGUF files;
-# builds llama-server once from the llama-cpp-python source package (about 8 minutes).
+# builds llama-server once from the llama-cpp-python source package, native to this CPU
+# (about 8 minutes; checked by serving a completion, rebuilt with AMX off where AMX crashes).
 bench-llamacpp: install
 	$(VENV)/bin/specserve models fetch qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct \
 		--keep-downloads
-	PYTHON=$(PY) scripts/build_llamacpp.sh
+	PYTHON=$(PY) scripts/build_llamacpp.sh "$$($(PY) -c 'from engine.models import recipes; \
+		print(recipes.source_gguf("qwen2.5-coder-1.5b-instruct"))' 2> /dev/null | tail -1)"
 	$(PY) bench/cpu_vs_llamacpp.py
 
 # The server's packages as CPython 3.12 manylinux wheels, for `make gpu-check` on a machine

@@ -4,7 +4,8 @@ llama.cpp's server on the same GGUF files, in one run, through each server's Ope
     python bench/cpu_vs_llamacpp.py [--llama-server PATH] [--max-tokens 128] [--threads 2]
 
 llama.cpp: `llama-server` built from the `llama-cpp-python` source package (its vendored
-llama.cpp; see scripts/build_llamacpp.sh), run with the target GGUF (Q4_K_M) plain and with the
+llama.cpp; scripts/build_llamacpp.sh builds it native to this CPU, AMX off only where the AMX
+build crashes, and its VERSION file, quoted in the results, says which and why), run with the target GGUF (Q4_K_M) plain and with the
 draft GGUF (`-md ... --spec-type draft-simple`, its default draft length). specserve: the same
 target de-quantized to bf16 (the reference), `--quantization int4` (the GGUF's Q4_K blocks as
 they are, its Q6_K layers re-quantized to int4), int4 with the int4 draft and adaptive k, and
@@ -20,11 +21,15 @@ of the server process after the run, and its peak).
 Per-forward costs, in this process on the same settings (the int4 target and the int4 draft
 with its vocabulary subset, batch invariance on, a 200-token context): the target's forward of
 1 new token, of 1 + 4 (a verification), and the draft's forward of 1 token; the median of 12.
+The memory roofline: the bytes of weights a decode step reads (every weight but the embedding
+table, of which one row), the machine's read bandwidth (a streaming read of 1 GiB, far larger
+than the L3, in this run), and the fraction of that floor our plain c=1 rate reaches.
 
-Ends with `RESULT int4_vs_bf16_plain=… ours_spec_vs_llamacpp_plain=…
-ours_spec_vs_llamacpp_spec=… ours_c8_vs_llamacpp_c8=… ours_suffix_vs_llamacpp_plain=…
-int4_spec_vs_int4_plain=… verify5_vs_step1=… draft_vs_target_step=…` (ours spec: int4 + the
-int4 draft model; at c=8: int4 + the draft; llama.cpp at c=8: the faster of its two settings;
+Ends with `RESULT ours_plain_vs_llamacpp_plain=… roofline_fraction=… verify5_vs_step1=…
+draft_vs_target_step=… ours_spec_vs_llamacpp_plain=… ours_c8_vs_llamacpp_c8=…
+int4_spec_vs_int4_plain=… suffix_vs_int4_plain=… int4_vs_bf16_plain=…
+ours_spec_vs_llamacpp_spec=… ours_suffix_vs_llamacpp_plain=…` (ours spec: int4 + the int4
+draft model; at c=8: int4 + the draft; llama.cpp at c=8: the faster of its two settings;
 suffix: int4 with suffix speculation, no draft model) and writes
 bench/results/cpu_vs_llamacpp.md.
 """
@@ -113,8 +118,36 @@ def measure(url: str, prompts: list, max_tokens: int) -> dict:
             "c8": sum(c[1] for c in c8) / wall, "tokens": sum(c[1] for c in c1)}
 
 
-def forward_costs(threads: int, draft_vocab_size: int, context: int = 200) -> dict[str, float]:
-    """Median seconds of one runner forward: target 1 row, target 1 + 4 rows, draft 1 row."""
+def read_bandwidth(threads: int, gib: int = 1) -> float:
+    """Bytes per second of a streaming read of a buffer far larger than any L3 (torch's fp32
+    sum over `threads` threads; the best of 5)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    x = torch.ones(gib << 28, dtype=torch.float32)
+    x.sum()
+    best = min(_timed(x.sum) for _ in range(5))
+    return x.numel() * 4 / best
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def step_bytes(model) -> int:
+    """Bytes of weights one decode step reads: every parameter and buffer but the embedding
+    table, of which it reads one row."""
+    embed = model.get_input_embeddings().weight
+    total = sum(t.numel() * t.element_size()
+                for t in list(model.parameters()) + list(model.buffers()))
+    return total - embed.numel() * embed.element_size() + embed.shape[1] * embed.element_size()
+
+
+def forward_costs(threads: int, draft_vocab_size: int, context: int = 200) -> dict:
+    """Median seconds of one runner forward: target 1 row, target 1 + 4 rows, draft 1 row;
+    and the bytes of weights a decode step of each reads."""
     import torch
 
     from engine import EngineConfig, LLMEngine
@@ -132,17 +165,14 @@ def forward_costs(threads: int, draft_vocab_size: int, context: int = 200) -> di
 
     def median(runner, rows: int) -> float:
         item = RunItem(list(range(100, 100 + rows)), context, table, rows, context - 50)
-        times = []
-        for i in range(15):
-            start = time.perf_counter()
-            runner.execute([item])
-            times.append(time.perf_counter() - start)
+        times = [_timed(lambda: runner.execute([item])) for _ in range(15)]
         return sorted(times[3:])[6]
 
     target, draft = engine.runner, engine.speculator.proposer.runner
     target.execute([prompt]), draft.execute([prompt])
     return {"target 1 row": median(target, 1), "target 1 + 4 rows": median(target, 5),
-            "draft 1 row": median(draft, 1)}
+            "draft 1 row": median(draft, 1), "target bytes": step_bytes(target.model),
+            "draft bytes": step_bytes(draft.model)}
 
 
 def same(a: list[str], b: list[str]) -> str:
@@ -233,17 +263,37 @@ def main() -> int:
         lines.append(f"| {name} | {r['c1']:.2f} | {r['c8']:.2f} | {identity[name]} | "
                      f"{same(r['texts_c8'], r['texts'])} | {r['rss'][0]:.2f} "
                      f"({r['rss'][1]:.2f}) |")
+    bandwidth = read_bandwidth(args.threads)
+    floor = costs["target bytes"] / bandwidth  # seconds: reading the weights once
     lines += ["", "| forward (in process, int4, 200-token context) | ms |", "|---|---|"]
-    lines += [f"| {name} | {seconds * 1e3:.1f} |" for name, seconds in costs.items()]
+    lines += [f"| {name} | {costs[name] * 1e3:.1f} |"
+              for name in ("target 1 row", "target 1 + 4 rows", "draft 1 row")]
+    lines += ["", "| memory roofline (c=1 plain decoding) | value |", "|---|---|",
+              f"| weights read per decode step, target int4 | "
+              f"{costs['target bytes'] / 1e9:.3f} GB |",
+              f"| weights read per decode step, draft int4 (vocabulary subset) | "
+              f"{costs['draft bytes'] / 1e9:.3f} GB |",
+              f"| read bandwidth (streaming read of 1 GiB, {args.threads} threads) | "
+              f"{bandwidth / 1e9:.1f} GB/s |",
+              f"| floor: one target step reading its weights once | {floor * 1e3:.1f} ms "
+              f"({1 / floor:.1f} tokens/s) |",
+              f"| specserve int4 plain, served c=1 | {int4['c1'] * floor:.2f} of the roofline |",
+              f"| specserve int4 target forward, 1 row | "
+              f"{floor / costs['target 1 row']:.2f} of the roofline |",
+              f"| llama.cpp Q4_K_M plain, served c=1 | {lplain['c1'] * floor:.2f} of the "
+              f"roofline (its own file's bytes differ a little) |"]
     table = "\n".join(lines)
-    result = (f"RESULT int4_vs_bf16_plain={int4['c1'] / bf16['c1']:.2f} "
-              f"ours_spec_vs_llamacpp_plain={spec['c1'] / lplain['c1']:.2f} "
-              f"ours_spec_vs_llamacpp_spec={spec['c1'] / lspec['c1']:.2f} "
-              f"ours_c8_vs_llamacpp_c8={spec['c8'] / max(lplain['c8'], lspec['c8']):.2f} "
-              f"ours_suffix_vs_llamacpp_plain={suffix['c1'] / lplain['c1']:.2f} "
-              f"int4_spec_vs_int4_plain={spec['c1'] / int4['c1']:.2f} "
+    result = (f"RESULT ours_plain_vs_llamacpp_plain={int4['c1'] / lplain['c1']:.2f} "
+              f"roofline_fraction={int4['c1'] * floor:.2f} "
               f"verify5_vs_step1={costs['target 1 + 4 rows'] / costs['target 1 row']:.2f} "
-              f"draft_vs_target_step={costs['draft 1 row'] / costs['target 1 row']:.2f}")
+              f"draft_vs_target_step={costs['draft 1 row'] / costs['target 1 row']:.2f} "
+              f"ours_spec_vs_llamacpp_plain={spec['c1'] / lplain['c1']:.2f} "
+              f"ours_c8_vs_llamacpp_c8={spec['c8'] / max(lplain['c8'], lspec['c8']):.2f} "
+              f"int4_spec_vs_int4_plain={spec['c1'] / int4['c1']:.2f} "
+              f"suffix_vs_int4_plain={suffix['c1'] / int4['c1']:.2f} "
+              f"int4_vs_bf16_plain={int4['c1'] / bf16['c1']:.2f} "
+              f"ours_spec_vs_llamacpp_spec={spec['c1'] / lspec['c1']:.2f} "
+              f"ours_suffix_vs_llamacpp_plain={suffix['c1'] / lplain['c1']:.2f}")
     print(table)
     print(result)
     write_results(args.out, "specserve vs llama.cpp on this CPU (Qwen2.5-Coder 1.5B + 0.5B)",

@@ -24,7 +24,8 @@ concurrency) starts with an empty suffix cache and an empty prefix cache, so no 
 by an earlier case's text. Greedy identity: each method's token ids vs plain's.
 
     python bench/spec_methods.py [--quantization auto|int4|none] [--max-tokens 48]
-                                 [--c1-prompts 4] [--quick] [--speculator DIR]
+                                 [--c1-prompts 4] [--repeats 2] [--quick]
+                                 [--speculator DIR]
 
 Prints a table, ends with a RESULT line, writes bench/results/spec_methods.md
 (spec_methods_eagle.md with --speculator).
@@ -164,6 +165,8 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--c1-prompts", type=int, default=4,
                         help="prompts per workload at concurrency 1")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="rounds of every method per case, interleaved with plain")
     parser.add_argument("--quick", action="store_true", help="2 prompts, 24 tokens: a smoke run")
     parser.add_argument("--cases", default=None,
                         help="only these workload:concurrency pairs, e.g. chat:8,chat_t0.7:8 "
@@ -245,17 +248,34 @@ def main() -> int:
             else:
                 rounds_c, params_c = rounds, params
             methods = ("plain", hybrid) if c == 16 else methods_run
-            # plain runs first and last: its rate is their mean, so a slow drift of this
-            # machine's speed during the case does not favour either side
-            results = {m: measure(m, name, c, rounds_c, params_c) for m in methods}
-            outs2, tokens2, seconds2, _ = measure("plain", name, c, rounds_c, params_c)
-            outs, tokens, seconds, _ = results["plain"]
-            results["plain"] = (outs, tokens + tokens2, seconds + seconds2, {})
-            plain_out[name, c] = outs
-            rates["plain", name, c] = (tokens + tokens2) / (seconds + seconds2)
+            # interleaved: plain, then every method, `repeats` times, and plain once more; a
+            # method's ratio in a round is against the mean of the plain runs around it, so a
+            # drift of this machine's speed during the case favours no side, and the spread of
+            # the rounds' ratios says what the ratio's noise is
+            passes = [{m: measure(m, name, c, rounds_c, params_c) for m in methods}
+                      for _ in range(args.repeats)]
+            closing = measure("plain", name, c, rounds_c, params_c)
+            plain_rates = [p["plain"][1] / p["plain"][2] for p in passes]
+            plain_rates.append(closing[1] / closing[2])
+            plain_out[name, c] = passes[0]["plain"][0]
+            plain_tokens = sum(p["plain"][1] for p in passes) + closing[1]
+            plain_seconds = sum(p["plain"][2] for p in passes) + closing[2]
+            rates["plain", name, c] = plain_tokens / plain_seconds
             for method in methods:
-                outs, tokens, seconds, by = results[method]
+                outs = passes[0][method][0]
+                tokens = sum(p[method][1] for p in passes)
+                seconds = sum(p[method][2] for p in passes)
+                if method == "plain":
+                    tokens, seconds = plain_tokens, plain_seconds
+                by: dict[str, tuple[int, int]] = {}
+                for p in passes:
+                    for m, (d, a) in p[method][3].items():
+                        by[m] = (by.get(m, (0, 0))[0] + d, by.get(m, (0, 0))[1] + a)
                 rates[method, name, c] = tokens / seconds
+                per_round = [p[method][1] / p[method][2] / ((plain_rates[i]
+                                                             + plain_rates[i + 1]) / 2)
+                             for i, p in enumerate(passes)]
+                spread = f"{min(per_round):.2f}-{max(per_round):.2f}"
                 same = ("" if name == "chat_t0.7" else
                         f"{sum(a == b for a, b in zip(outs, plain_out[name, c]))}/{len(outs)}")
                 if same:
@@ -264,23 +284,30 @@ def main() -> int:
                 suffix = getattr(engines[method].speculator, "suffix", None)
                 upd = (f"{1e3 * suffix.max_update_seconds:.1f}" if suffix is not None else "")
                 rows.append((method, name, c, tokens, seconds, tokens / seconds,
-                             rates[method, name, c] / rates["plain", name, c], same, accept,
-                             upd))
+                             rates[method, name, c] / rates["plain", name, c], spread, same,
+                             accept, upd))
                 print(f"{method:12s} {name:10s} c={c:<3d} {tokens / seconds:6.2f} tok/s  "
-                      f"x{rows[-1][6]:.2f}  same={same}  {accept}  max_update_ms={upd}",
-                      flush=True)
+                      f"x{rows[-1][6]:.2f} (rounds {spread})  same={same}  {accept}  "
+                      f"max_update_ms={upd}", flush=True)
     header = ("| method | workload | concurrency | tokens | seconds | tokens/s | x plain | "
-              "greedy identical to plain | accepted/drafted by method | suffix update max ms |")
-    table = "\n".join([header, "|" + "---|" * 10] + [
-        f"| {m} | {w} | {c} | {t} | {s:.1f} | {r:.2f} | {x:.2f} | {same} | {acc} | {upd} |"
-        for m, w, c, t, s, r, x, same, acc, upd in rows])
+              "x plain per round (min-max) | greedy identical to plain | "
+              "accepted/drafted by method | suffix update max ms |")
+    table = "\n".join([header, "|" + "---|" * 11] + [
+        f"| {m} | {w} | {c} | {t} | {s:.1f} | {r:.2f} | {x:.2f} | {sp} | {same} | {acc} | "
+        f"{upd} |" for m, w, c, t, s, r, x, sp, same, acc, upd in rows])
     worst = min(rates[hybrid, w, c] / rates["plain", w, c] for (m, w, c) in rates
                 if m == hybrid)
+    # the never-slower promise: every method, every case
+    worst_any = min(rates[m, w, c] / rates["plain", w, c] for (m, w, c) in rates)
     details = [f"target {TARGET} ({form}; --quantization {args.quantization}), draft {DRAFT} "
                f"with int4 linears and a vocabulary of {args.draft_vocab_size or 'all'} tokens, "
                f"k_max {args.k_max} (draft model), suffix defaults (max 32 drafts), adaptive",
                f"{n} prompts per workload ({c1} at concurrency 1), {max_tokens} new tokens "
-               f"each ({edit_tokens} for code_edit), ignore_eos"]
+               f"each ({edit_tokens} for code_edit), ignore_eos",
+               f"each case: plain, then every method, {args.repeats} times, then plain again; "
+               f"x plain is the method's tokens over its seconds in all rounds against "
+               f"plain's, and per round against the mean of the plain runs before and after "
+               f"it (the spread is the noise of the ratio)"]
     if only is not None:
         print(table)
         print(f"worst hybrid / plain over these cases: {worst:.2f}")
@@ -300,12 +327,12 @@ def main() -> int:
                   f"hybrid_code_edit={rates[hybrid, 'code_edit', 1] / rates['plain', 'code_edit', 1]:.2f} "
                   f"eagle_head_cost={head_cost[0] / head_cost[1]:.3f} "
                   f"eagle_accept_len={eagle_stats:.2f} "
-                  f"worst_hybrid_vs_plain={worst:.2f}")
+                  f"worst_hybrid_vs_plain={worst:.2f} worst_any_vs_plain={worst_any:.2f}")
     else:
         result = (f"RESULT code_edit_hybrid={rates['hybrid', 'code_edit', 1] / rates['plain', 'code_edit', 1]:.2f} "
                   f"repeated_hybrid={rates['hybrid', 'repeated', 1] / rates['plain', 'repeated', 1]:.2f} "
                   f"chat_hybrid_vs_draft={rates['hybrid', 'chat', 1] / rates['draft_model', 'chat', 1]:.2f} "
-                  f"worst_hybrid_vs_plain={worst:.2f}")
+                  f"worst_hybrid_vs_plain={worst:.2f} worst_any_vs_plain={worst_any:.2f}")
     print(table)
     print(result)
     not_same = {k: v for k, v in identical.items() if v.split("/")[0] != v.split("/")[1]}
