@@ -137,12 +137,13 @@ def _timed(fn) -> float:
 
 
 def step_bytes(model) -> int:
-    """Bytes of weights one decode step reads: every parameter and buffer but the embedding
-    table, of which it reads one row."""
+    """Bytes of weights one decode step reads: every weight but the embedding table, of which
+    it reads one row (each storage once: merged projections are viewed by their parts)."""
+    from engine.parallel.workers import model_bytes
+
     embed = model.get_input_embeddings().weight
-    total = sum(t.numel() * t.element_size()
-                for t in list(model.parameters()) + list(model.buffers()))
-    return total - embed.numel() * embed.element_size() + embed.shape[1] * embed.element_size()
+    return model_bytes(model) - embed.untyped_storage().nbytes() \
+        + embed.shape[1] * embed.element_size()
 
 
 def forward_costs(threads: int, draft_vocab_size: int, context: int = 200) -> dict:

@@ -49,6 +49,8 @@ class ModelRunner:
         self.attention_backend = (type(backend).__name__ if backend is not None
                                   else attention_backend)
         self.invariance = None
+        if lean_forward.supported(model):  # before the invariance rule measures the layers
+            lean_forward.merge_projections(model)
         if batch_invariant:
             from engine.kernels.batch_invariant import make_batch_invariant
 

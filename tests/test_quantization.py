@@ -108,6 +108,56 @@ def test_vnni_int4_linear_computes_int8_activations_against_its_weight(dtype):
     assert (err <= bound.repeat_interleave(32, 1) + 1e-12).all()
 
 
+@needs_vnni
+@pytest.mark.parametrize("bias", [True, False])
+def test_merged_int4_layers_keep_each_outputs_bits_and_hold_no_weight_twice(bias):
+    """q, k and v (or gate and up) as one VNNI layer: each output has the bits its own layer
+    gives, at any row count; the parts view the merged weights (one storage)."""
+    from engine.parallel.workers import model_bytes
+
+    gen = torch.Generator().manual_seed(3)
+    sizes = (128, 32, 32)
+
+    def layer(n):
+        codes, scale, offset = quantize_int4_rtn(torch.randn(n, 256, generator=gen))
+        return Int4Linear(codes, scale, offset, torch.randn(n, generator=gen) if bias else None,
+                          torch.bfloat16, "cpu", kernel="vnni")
+
+    parts = torch.nn.ModuleList(layer(n) for n in sizes)
+    x = torch.randn(8, 256, generator=gen).to(torch.bfloat16)
+    alone = [[p(x[:m]) for p in parts] for m in range(1, 9)]
+    before = model_bytes(parts)
+    merged = Int4Linear.merged(list(parts))
+    assert merged.out_features == sum(sizes)
+    for m in range(1, 9):
+        assert torch.equal(merged(x[:m]), torch.cat(alone[m - 1], dim=-1))
+        for p, want in zip(parts, alone[m - 1]):  # the parts, now views, compute as before
+            assert torch.equal(p(x[:m]), want)
+    both = torch.nn.ModuleList([*parts, merged])
+    assert model_bytes(both) == before
+    other = Int4Linear(*quantize_int4_rtn(torch.randn(32, 128, generator=gen)), None,
+                       torch.bfloat16, "cpu", kernel="vnni")
+    assert Int4Linear.merged([parts[0], other]) is None  # another input size
+
+
+@needs_vnni
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_vnni_kernel_gives_a_row_its_one_row_bits_at_any_row_count(dtype):
+    """Every row has the bits it has alone, 1..20 rows (the kernel's passes of 8 rows and
+    their remainders), with a bias, at a packaged shape."""
+    gen = torch.Generator().manual_seed(5)
+    codes, scale, offset = quantize_int4_rtn(torch.randn(256, 1536, generator=gen))
+    layer = Int4Linear(codes, scale, offset, torch.randn(256, generator=gen), dtype, "cpu",
+                       kernel="vnni")
+    x = (torch.randn(20, 1536, generator=gen) * torch.logspace(-2, 2, 20)[:, None]).to(dtype)
+    alone = torch.cat([layer.matmul(x[i:i + 1]) for i in range(20)])
+    for m in (2, 3, 5, 8, 9, 16, 20):
+        assert torch.equal(layer.matmul(x[:m]), alone[:m])
+    spec = _vnni_reference(x, codes, scale.half(), offset.half(), layer.bias)
+    tol = (1e-4 if dtype == torch.float32 else 2 ** -7) * spec.abs().max().item()
+    assert (layer.matmul(x).double() - spec).abs().max().item() <= tol
+
+
 def test_int4_kernel_choice(monkeypatch):
     torch.manual_seed(0)
     parts = quantize_int4_rtn(torch.randn(48, 64))

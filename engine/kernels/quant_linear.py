@@ -234,6 +234,31 @@ class Int4Linear(torch.nn.Module):
                           self.scale_zero.dtype, self.scale_zero.device, self.group_size,
                           "torch")
 
+    @classmethod
+    def merged(cls, layers: list["Int4Linear"]) -> "Int4Linear | None":
+        """One layer computing `layers` side by side (their outputs concatenated, each with the
+        bits it has alone: the VNNI kernel computes each block of 16 outputs on its own), whose
+        buffers the given layers then view: no weight is held twice. None where the layers do
+        not merge (not all on the VNNI kernel, other input sizes, a bias on some only)."""
+        first = layers[0]
+        if (len(layers) < 2 or any(not isinstance(m, Int4Linear) or m.kernel != "vnni"
+                                   or m.in_features != first.in_features for m in layers)
+                or len({m.bias is None for m in layers}) > 1):
+            return None
+        out = cls.__new__(cls)
+        torch.nn.Module.__init__(out)
+        out.in_features, out.group_size, out.kernel = first.in_features, first.group_size, "vnni"
+        out.out_features = sum(m.out_features for m in layers)
+        for name in ("codes_vnni", "scale_vnni", "offset_vnni", "bias"):
+            parts = [getattr(m, name) for m in layers]
+            out.register_buffer(name, None if parts[0] is None else torch.cat(parts))
+            start = 0
+            for m, part in zip(layers, parts):  # each layer views its rows of the merged one
+                if part is not None:
+                    m.register_buffer(name, getattr(out, name)[start:start + part.shape[0]])
+                    start += part.shape[0]
+        return out
+
     def _torch_codes(self) -> torch.Tensor:
         """[N, K] codes back from torch's CPU packing, checked by packing them again (the
         layout is torch's, not ours, and depends on the CPU): blocks of B output rows as

@@ -48,6 +48,28 @@ def _rotary(model_class: str):
                                    ).apply_rotary_pos_emb
 
 
+def merge_projections(model: torch.nn.Module) -> int:
+    """Give each layer one projection for q, k and v (`qkv_proj`) and one for gate and up
+    (`gate_up_proj`) where its int4 layers merge (`Int4Linear.merged`: each output keeps its
+    bits; the separate layers then view the merged weights). One call instead of three and two:
+    the activations are quantized once and the kernel's threads start once. Returns the
+    projections merged."""
+    from engine.kernels.quant_linear import Int4Linear
+
+    merged = 0
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for owner, name, parts in ((attn, "qkv_proj", ("q_proj", "k_proj", "v_proj")),
+                                   (mlp, "gate_up_proj", ("gate_proj", "up_proj"))):
+            if hasattr(owner, name):
+                continue
+            one = Int4Linear.merged([getattr(owner, p) for p in parts])
+            if one is not None:
+                owner.add_module(name, one)
+                merged += 1
+    return merged
+
+
 def _fusable(model: torch.nn.Module, h: torch.Tensor) -> bool:
     """Whether this forward's norms, rotary and SiLU x up run as engine/kernels/fused.py's ops:
     on the CPU in fp32 or bf16, for RMSNorms in the activations' dtype and SiLU (rotary where
@@ -113,34 +135,23 @@ def forward(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch
     [T, len(capture) * hidden] (what a draft head reads). `reduce`: a split model's sum over
     ranks of the row-parallel layers' partial outputs (engine/parallel/group.py)."""
     reduce = reduce or _whole
-    apply_rotary = _rotary(type(model).__name__)
     inner = model.model
     h = inner.embed_tokens.forward(input_ids)
-    cos, sin = inner.rotary_emb.forward(h, position_ids)
-    tokens = input_ids.shape[1]
     fast = _fusable(model, h)
-    fast_rotary = fast and _fused_rotary(model)
+    rotary = _Rotary(model, *inner.rotary_emb.forward(h, position_ids),
+                     fast and _fused_rotary(model))
     stream = _Residual(h, fast)
     captured: dict[int, torch.Tensor] = {}
     for index, layer in enumerate(inner.layers[:model.config.num_hidden_layers]):
-        attn, mlp = layer.self_attn, layer.mlp
-        x = stream.norm(layer.input_layernorm)
-        shape = (1, tokens, -1, attn.head_dim)
-        q, k, v = attn.q_proj.forward(x), attn.k_proj.forward(x), attn.v_proj.forward(x)
-        if fast_rotary:  # in place on the fresh projections, then the same views as below
-            ops = fused.kernel()
-            q, k = _matrix(q), _matrix(k)
-            ops.rotary_(q, cos[0], sin[0], attn.head_dim)
-            ops.rotary_(k, cos[0], sin[0], attn.head_dim)
-            q, k = q.view(shape).transpose(1, 2), k.view(shape).transpose(1, 2)
-        else:
-            q, k = apply_rotary(q.view(shape).transpose(1, 2), k.view(shape).transpose(1, 2),
-                                cos, sin)
-        v = v.view(shape).transpose(1, 2)
+        attn = layer.self_attn
+        q, k, v = _projections(attn, "qkv_proj", ("q_proj", "k_proj", "v_proj"),
+                               stream.norm(layer.input_layernorm))
+        q, k, v = rotary(q, k, v, attn.head_dim)
         o, _ = paged_attention_forward(attn, q, k, v, None, scaling=attn.scaling)
-        stream.add(reduce(attn.o_proj.forward(o.reshape(1, tokens, -1).contiguous())))
-        x = stream.norm(layer.post_attention_layernorm)
-        gate, up = mlp.gate_proj.forward(x), mlp.up_proj.forward(x)
+        stream.add(reduce(attn.o_proj.forward(o.reshape(1, q.shape[2], -1).contiguous())))
+        mlp = layer.mlp
+        gate, up = _projections(mlp, "gate_up_proj", ("gate_proj", "up_proj"),
+                                stream.norm(layer.post_attention_layernorm))
         act = (fused.kernel().silu_mul(_matrix(gate), _matrix(up)).view(gate.shape) if fast
                else mlp.act_fn(gate) * up)
         stream.add(reduce(mlp.down_proj.forward(act)))
@@ -159,3 +170,37 @@ def forward(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch
     if capture:
         return logits, torch.cat([captured[i] for i in capture], dim=-1)
     return logits
+
+
+def _projections(owner: torch.nn.Module, merged: str, parts: tuple[str, ...],
+                 x: torch.Tensor) -> list[torch.Tensor]:
+    """The outputs of `owner`'s projections `parts` of x: one call of the merged projection
+    where `merge_projections` made one (views of its output), else one call each."""
+    one = getattr(owner, merged, None)
+    if one is None:
+        return [getattr(owner, p).forward(x) for p in parts]
+    return list(one.forward(x).split([getattr(owner, p).out_features for p in parts], dim=-1))
+
+
+class _Rotary:
+    """The rotary embedding of one forward's positions, applied to each layer's q and k:
+    fused in place (`fused`) or transformers' `apply_rotary_pos_emb`. Returns q, k, v as
+    attention takes them, [1, heads, T, head_dim]."""
+
+    def __init__(self, model: torch.nn.Module, cos: torch.Tensor, sin: torch.Tensor,
+                 fused_ops: bool) -> None:
+        self.cos, self.sin, self.fused = cos, sin, fused_ops
+        self.apply = _rotary(type(model).__name__)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int):
+        shape = (1, q.shape[1], -1, head_dim)
+        if self.fused:  # in place on the fresh projections, then the same views
+            ops = fused.kernel()
+            q, k = _matrix(q), _matrix(k)
+            ops.rotary_(q, self.cos[0], self.sin[0], head_dim)
+            ops.rotary_(k, self.cos[0], self.sin[0], head_dim)
+            q, k = q.view(shape).transpose(1, 2), k.view(shape).transpose(1, 2)
+        else:
+            q, k = self.apply(q.view(shape).transpose(1, 2), k.view(shape).transpose(1, 2),
+                              self.cos, self.sin)
+        return q, k, v.view(shape).transpose(1, 2)

@@ -64,8 +64,11 @@ def threads_per_rank(config, device: torch.device) -> int:
 
 
 def model_bytes(model: torch.nn.Module) -> int:
-    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+    """Bytes of the model's weights, each storage once (merged projections are viewed by
+    the layers they merge: engine/models/lean_forward.py `merge_projections`)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in [*model.parameters(), *model.buffers()] if t.numel()}
+    return sum(storages.values())
 
 
 class Workers:
