@@ -88,7 +88,7 @@ def _matrix(x: torch.Tensor) -> torch.Tensor:
     """[1, T, F] as a [T, F] matrix of rows of unit stride, as the fused ops take them (a
     linear may return its output column-major)."""
     x = x if x.stride(-1) == 1 else x.contiguous()
-    return x.view(x.shape[1], -1)
+    return x.view(x.shape[1], x.shape[2])  # (a step may keep no rows: T = 0)
 
 
 class _Residual:
