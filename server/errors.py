@@ -60,6 +60,8 @@ def _validation_message(errors: list[dict]) -> str:
     msg = first.get("msg", "invalid value").removeprefix("Value error, ")  # pydantic's prefix
     if first.get("type") == "json_invalid":
         return "the request body is not valid JSON"
+    if first.get("type") == "extra_forbidden":
+        return f"unrecognized request argument supplied: {where}"
     if first.get("type") == "model_attributes_type":
         return "the request body must be a JSON object"
     return f"{where}: {msg}" if where else msg

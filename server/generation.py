@@ -24,6 +24,7 @@ from server import errors, tool_parser
 from server.detokenizer import IncrementalDetokenizer, StopChecker
 from server.engine_client import EngineDeadError, EngineStepError
 from server.errors import APIError
+from server.middleware import REQUEST_ID
 from server.protocol import new_id
 from server.renderers import Renderer, usage
 from server.state import ServerState
@@ -45,6 +46,10 @@ async def respond(state: ServerState, request: Request, req, prepare: Prepare,
     renderer = renderer_cls.for_request(state.tokenizer, req)
     gen = Generation.submit(state, renderer, req, prompt_ids, params,
                             cache_salt(state, request, req))
+    who = {k: v for k in ("user", "safety_identifier") if (v := getattr(req, k, None))}
+    if who:  # the operator's trail from a request to the end user the caller names
+        log.info("%s %s %s", request.scope.get("state", {}).get(REQUEST_ID),
+                 gen.completion_id, " ".join(f"{k}={v!r}" for k, v in who.items()))
     if req.stream:
         return stream_response(gen.events())
     return await run_until_done_or_disconnect(request, gen.response())

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("specserve.access")
 OPEN_PATHS = ("/health", "/ready", "/docs", "/openapi.json", "/redoc")
 TENANT = "specserve.tenant"  # scope["state"] key: who the API key says sent the request
+REQUEST_ID = "specserve.request_id"  # scope["state"] key: the id echoed in X-Request-Id
 
 
 async def send_json(send, status: int, body: dict, headers: list | None = None) -> None:
@@ -63,6 +64,7 @@ class AccessMiddleware:
             return await self.app(scope, receive, send)
         incoming = _header(scope, b"x-request-id")
         request_id = incoming if incoming and len(incoming) <= 128 else uuid.uuid4().hex
+        scope.setdefault("state", {})[REQUEST_ID] = request_id
         started, status, left = time.perf_counter(), [0], [False]
 
         async def watching_receive():

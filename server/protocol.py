@@ -1,6 +1,9 @@
 """Pydantic models of the OpenAI API subset we serve. Must not touch the engine.
 
-Requests are validated here (ranges, shapes); unknown fields are ignored, as OpenAI does.
+Requests are validated here (ranges, shapes). Every field of a request body is either served
+or refused with a 400 that names it: an unknown top-level field is refused as OpenAI refuses it
+("unrecognized request argument"), and each field the official client sends is decided in
+`CHAT_FIELDS` / `COMPLETION_FIELDS` (what we do with it; docs/serving.md shows the same table).
 """
 
 from __future__ import annotations
@@ -95,7 +98,43 @@ class ResponseFormat(_Request):
         return self
 
 
+def _refused(value, why: str):
+    """A field we do not serve: null (or absent) only."""
+    if value is not None:
+        raise ValueError(why)
+    return value
+
+
+def _only(value, allowed: tuple, why: str):
+    if value is not None and value not in allowed:
+        raise ValueError(f"{value!r} is not served; {why}")
+    return value
+
+
+MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512  # OpenAI's limits
+MAX_IDENTIFIER = 1024  # user, safety_identifier, prompt_cache_key
+
+
+class PromptCacheOptions(_Request):
+    model_config = ConfigDict(extra="forbid")
+    mode: Optional[str] = None
+    ttl: Optional[str] = None
+
+    @field_validator("mode")
+    @classmethod
+    def _implicit(cls, value):
+        return _only(value, ("implicit",), "every prompt's prefix is cached, without "
+                     "breakpoints: only 'implicit'")
+
+    @field_validator("ttl")
+    @classmethod
+    def _no_ttl(cls, value):
+        return _refused(value, "no minimum lifetime is promised: cached blocks are evicted "
+                               "when memory is needed")
+
+
 class _SamplingFields(_Request):
+    model_config = ConfigDict(extra="forbid")  # an unknown argument is a 400 naming it
     model: str
     max_tokens: Optional[int] = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
@@ -109,7 +148,8 @@ class _SamplingFields(_Request):
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: Optional[dict[str, float]] = None
-    user: Optional[str] = None
+    # an end user's identifier: written to the server's log with the request id
+    user: Optional[str] = Field(default=None, max_length=MAX_IDENTIFIER)
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     speculative: Optional[bool] = None  # extra: false opts this request out of speculation
@@ -180,6 +220,21 @@ class NamedToolChoice(_Request):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    # decided fields of OpenAI's chat completions beyond sampling (see CHAT_FIELDS)
+    safety_identifier: Optional[str] = Field(default=None, max_length=MAX_IDENTIFIER)
+    prompt_cache_key: Optional[str] = Field(default=None, max_length=MAX_IDENTIFIER)
+    prompt_cache_retention: Optional[str] = None
+    prompt_cache_options: Optional[PromptCacheOptions] = None
+    metadata: Optional[dict[str, str]] = None
+    store: Optional[bool] = None
+    service_tier: Optional[str] = None
+    modalities: Optional[list[str]] = None
+    reasoning_effort: Optional[str] = None
+    verbosity: Optional[str] = None
+    audio: Optional[dict] = None
+    web_search_options: Optional[dict] = None
+    moderation: Optional[dict] = None
+    prediction: Optional[dict] = None
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
@@ -193,8 +248,75 @@ class ChatCompletionRequest(_SamplingFields):
     @field_validator("functions", "function_call")
     @classmethod
     def _deprecated(cls, value):
-        if value is not None:
-            raise ValueError("deprecated: use tools and tool_choice")
+        return _refused(value, "deprecated: use tools and tool_choice")
+
+    @field_validator("audio")
+    @classmethod
+    def _no_audio(cls, value):
+        return _refused(value, "audio output is not served: this server generates text")
+
+    @field_validator("web_search_options")
+    @classmethod
+    def _no_web_search(cls, value):
+        return _refused(value, "web search is not served: the model answers from its prompt")
+
+    @field_validator("moderation")
+    @classmethod
+    def _no_moderation(cls, value):
+        return _refused(value, "moderation is not served: no moderation model runs here")
+
+    @field_validator("prediction")
+    @classmethod
+    def _no_prediction(cls, value):
+        return _refused(value, "Predicted Outputs are not served yet")
+
+    @field_validator("store")
+    @classmethod
+    def _no_store(cls, value):
+        if value:
+            raise ValueError("chat completions are not stored here: store must be false")
+        return value
+
+    @field_validator("service_tier")
+    @classmethod
+    def _check_tier(cls, value):
+        return _only(value, ("auto", "default"), "one tier is served: 'auto' or 'default'")
+
+    @field_validator("modalities")
+    @classmethod
+    def _check_modalities(cls, value):
+        if value is not None and any(m != "text" for m in value):
+            raise ValueError("only the text modality is served")
+        return value
+
+    @field_validator("reasoning_effort")
+    @classmethod
+    def _check_reasoning(cls, value):
+        return _only(value, ("none",), "the served model does not reason: only 'none'")
+
+    @field_validator("verbosity")
+    @classmethod
+    def _check_verbosity(cls, value):
+        return _refused(value, "verbosity is not served: the model's answer length follows "
+                               "the prompt and max_completion_tokens")
+
+    @field_validator("prompt_cache_retention")
+    @classmethod
+    def _check_retention(cls, value):
+        return _only(value, ("in_memory", "in-memory"), "the prefix cache lives in memory "
+                     "(evicted when blocks are needed): only 'in_memory'")
+
+    @field_validator("metadata")
+    @classmethod
+    def _check_metadata(cls, value):
+        if value is None:
+            return None
+        if len(value) > MAX_METADATA_PAIRS:
+            raise ValueError(f"at most {MAX_METADATA_PAIRS} key-value pairs")
+        for key, item in value.items():
+            if len(key) > MAX_METADATA_KEY or len(item) > MAX_METADATA_VALUE:
+                raise ValueError(f"keys of at most {MAX_METADATA_KEY} characters and values "
+                                 f"of at most {MAX_METADATA_VALUE}")
         return value
 
     @property
@@ -215,6 +337,23 @@ class CompletionRequest(_SamplingFields):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     logprobs: Optional[int] = Field(default=None, ge=0, le=5)
     echo: bool = False
+    best_of: Optional[int] = Field(default=None, ge=1)
+    suffix: Optional[str] = None
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value):
+        if value:  # (an empty suffix is no suffix)
+            raise ValueError("suffix (text inserted after the completion) is not served")
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _check_best_of(cls, value, info):
+        if value is not None and value != info.data.get("n", 1):
+            raise ValueError("best_of other than n is not served: every generated choice is "
+                             "returned")
+        return value
 
     @field_validator("echo")
     @classmethod
@@ -231,6 +370,49 @@ class CompletionRequest(_SamplingFields):
         if isinstance(value, list) and any(isinstance(v, list) and not v for v in value):
             raise ValueError("prompt token lists must not be empty")
         return value
+
+
+# What each field of the official client's create calls does here (openai 3.57; a field a
+# later client adds fails tests/test_request_fields.py until it is decided): "served" fields
+# act as OpenAI documents; the rest say what they do or when they are refused (a 400 naming
+# the field). docs/serving.md shows the same table.
+_SHARED_FIELDS = {
+    "model": "served: must name the served model (else 404)",
+    "frequency_penalty": "served", "presence_penalty": "served", "logit_bias": "served",
+    "max_tokens": "served", "n": "served", "seed": "served: reproducible per seed",
+    "stop": "served (at most 4)", "stream": "served", "stream_options": "served",
+    "temperature": "served", "top_p": "served",
+    "user": "served: written to the server's log with the request id",
+}
+CHAT_FIELDS = {
+    **_SHARED_FIELDS,
+    "messages": "served (text content; image, audio and file parts are refused)",
+    "logprobs": "served", "top_logprobs": "served",
+    "max_completion_tokens": "served",
+    "tools": "served (function tools)", "tool_choice": "served", "parallel_tool_calls": "served",
+    "response_format": "served (text, json_object, json_schema)",
+    "functions": "refused: deprecated, use tools", "function_call": "refused: use tool_choice",
+    "safety_identifier": "served: written to the server's log with the request id",
+    "prompt_cache_key": "accepted: every prompt's prefix is cached whatever its key; a load "
+                        "balancer may route on it",
+    "prompt_cache_retention": "'in_memory' (what the prefix cache does); '24h' refused",
+    "prompt_cache_options": "mode 'implicit' (every prefix is cached); 'explicit' and a ttl "
+                            "refused",
+    "metadata": "validated (16 pairs, 64/512 characters) and not stored, as with store false",
+    "store": "false only: completions are not stored",
+    "service_tier": "'auto' or 'default'; the other tiers refused",
+    "modalities": "['text'] only", "reasoning_effort": "'none' only: the model does not reason",
+    "verbosity": "refused", "audio": "refused", "web_search_options": "refused",
+    "moderation": "refused", "prediction": "refused until Predicted Outputs are served",
+}
+COMPLETION_FIELDS = {
+    **_SHARED_FIELDS,
+    "prompt": "served (text, texts, token ids, lists of token ids)",
+    "logprobs": "served (up to 5)", "echo": "false only", "suffix": "empty only",
+    "best_of": "equal to n only: every generated choice is returned",
+}
+# the client's own arguments, never sent in the body
+CLIENT_ONLY = ("extra_headers", "extra_query", "extra_body", "timeout")
 
 
 # -- responses -----------------------------------------------------------------------------
