@@ -295,7 +295,7 @@ class KController:
         scale = self.gain_scale
         charge = self._catch_up_charge(acceptance, backlog, remaining, pending, scale)
         plan = self._plan(acceptance, other_tokens + n, charge, self.margin(n), n + other_seqs,
-                          scale)
+                          scale, self._chunks_cost(other_tokens + n, n + other_seqs, n))
         # Per sequence: keep draft position j only if its expected gain beats its marginal
         # verification cost at the chosen rate.
         threshold = plan.target_slope * plan.rate
@@ -354,7 +354,8 @@ class KController:
         charge = (self._catch_up_charge(acceptance, backlog, remaining, pending, scale)
                   if k_max else (lambda i, gain: 0.0))
         base, seqs = other_tokens + n, n + other_seqs
-        plain = n / max(self.target_cost(base, seqs), 1e-9)
+        chunks = self._chunks_cost(base, seqs, n)
+        plain = n / max(self.target_cost(base, seqs) - chunks, 1e-9)
         # over every token a plan may add: one noisy size must not decide the marginal cost
         slope_t = self.target_cost.slope(base, max(n * k_max, sum(map(len, free)), n))
 
@@ -364,22 +365,24 @@ class KController:
 
         lengths = free_lengths(plain)
         gains = [sum(conf[:m]) for conf, m in zip(free, lengths)]
-        rate = (n + sum(gains)) / max(self.target_cost(base + sum(lengths), seqs), 1e-9)
+        rate = (n + sum(gains)) / max(self.target_cost(base + sum(lengths), seqs) - chunks,
+                                      1e-9)
         if rate > plain:  # stricter lengths at the rate the free proposals reach
             lengths = free_lengths(rate)
             gains = [sum(conf[:m]) for conf, m in zip(free, lengths)]
         best_rate, best_kd, best_kf = plain * (1.0 + self.margin(n)), [0] * n, [0] * n
         free_tokens, free_gain = sum(lengths), sum(gains)
-        rate = (n + free_gain) / max(self.target_cost(base + free_tokens, seqs), 1e-9)
+        rate = (n + free_gain) / max(self.target_cost(base + free_tokens, seqs) - chunks, 1e-9)
         if rate > best_rate:
             best_rate, best_kf = rate, list(lengths)
         for k in range(1, k_max + 1):
             best_rate, best_kd, best_kf = self._with_draft_k(
-                k, acceptance, lengths, gains, charge, base, seqs, (best_rate, best_kd, best_kf))
+                k, acceptance, lengths, gains, charge, base, seqs, chunks,
+                (best_rate, best_kd, best_kf))
         return self._trim(best_kd, acceptance, slope_t * best_rate), best_kf
 
     def _with_draft_k(self, k: int, acceptance: list[float], lengths: list[int],
-                      gains: list[float], charge, base: int, seqs: int,
+                      gains: list[float], charge, base: int, seqs: int, chunks: float,
                       best: tuple[float, list[int], list[int]]
                       ) -> tuple[float, list[int], list[int]]:
         """`best` (rate, draft k, free k), or a better plan where some sequences take the draft
@@ -395,7 +398,8 @@ class KController:
             tokens += dgain[i] - gains[i]
             verified += k - lengths[i]
             catch_up += charge(i, dgain[i])
-            cost = self.target_cost(verified, seqs) + self._draft_steps_cost(catch_up, m, k)
+            cost = (self.target_cost(verified, seqs) - chunks
+                    + self._draft_steps_cost(catch_up, m, k))
             rate = tokens / max(cost, 1e-9)
             if rate > best_rate:
                 chosen = set(better[:m])
@@ -428,15 +432,17 @@ class KController:
 
     def _plan(self, acceptance: list[float], base: int,
               charge: Callable[[int, float], float], margin: float, seqs: int,
-              scale: float) -> Plan:
+              scale: float, chunks: float = 0.0) -> Plan:
         """The K (and the sequences that draft) with the most tokens per second for one step.
 
         base: tokens in the target pass without drafts; charge(i, gain): draft tokens sequence
         i's catch-up costs this step; seqs: sequences in the target pass; scale: the realized
-        gain scale. K = 0 unless a plan beats plain decoding by `margin`.
+        gain scale; chunks: the seconds of the pass that its prompt chunks cost (`_chunks_cost`:
+        not charged to the decoding tokens). K = 0 unless a plan beats plain decoding by
+        `margin`.
         """
         n = len(acceptance)
-        plain_rate = n / max(self.target_cost(base, seqs), 1e-9)
+        plain_rate = n / max(self.target_cost(base, seqs) - chunks, 1e-9)
         # over every token a plan may add: one noisy size must not decide the marginal cost
         slope_t = self.target_cost.slope(base, n * self.k_max)
         best = Plan(0, [], plain_rate * (1.0 + margin), slope_t)
@@ -451,12 +457,25 @@ class KController:
             for m, i in enumerate(order, start=1):
                 tokens += gains[i]
                 catch_up += charges[i]
-                cost = (self.target_cost(base + m * k, seqs)
+                cost = (self.target_cost(base + m * k, seqs) - chunks
                         + self._draft_steps_cost(catch_up, m, k))
                 rate = tokens / max(cost, 1e-9)
                 if rate > best.rate:
                     best = Plan(k, order[:m], rate, slope_t)
         return best
+
+    def _chunks_cost(self, base: int, seqs: int, n: int) -> float:
+        """Seconds of a target pass of `base` tokens over `seqs` sequences that go to its
+        prompt chunks rather than to its `n` decoding sequences (0 in a pure decode step).
+
+        Drafts are worth the decode steps they save, at what a decode step of these sequences
+        costs per token; a pass that also computes a prompt chunk is far slower, and charging
+        the chunk to the decoding tokens made a draft's verification look cheap beside it
+        (drafts of any confidence were kept in such passes, each row at the chunk's marginal
+        cost)."""
+        if base <= n and seqs <= n:
+            return 0.0
+        return max(self.target_cost(base, seqs) - self.target_cost(n, n), 0.0)
 
     def _draft_steps_cost(self, catch_up_tokens: float, batch: int, k: int) -> float:
         """First forward: every drafting sequence's catch-up (at least 1 token each); then
