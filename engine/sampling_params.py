@@ -41,6 +41,9 @@ class SamplingParams:
     # structured output: an llguidance grammar (engine/structured.py builds them from a JSON
     # schema, a regex, choices or Lark); only tokens it allows are sampled
     grammar: str | None = None
+    # Predicted Outputs: the tokens the caller expects the output to be (e.g. the file being
+    # edited): a draft source, verified like every draft, so the output does not depend on it
+    prediction: list[int] | None = None
 
     def __post_init__(self) -> None:
         _check(self.max_tokens is None or (isinstance(self.max_tokens, int)
@@ -79,6 +82,9 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids)
         _check(self.grammar is None or (isinstance(self.grammar, str) and self.grammar != ""),
                "grammar", "must be a grammar string")
+        _check(self.prediction is None or (isinstance(self.prediction, list) and all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.prediction)),
+               "prediction", "must be a list of token ids")
         _check(not (self.grammar and self.ignore_eos), "ignore_eos",
                "cannot be combined with structured output (the grammar ends the output)")
 

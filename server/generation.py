@@ -71,6 +71,7 @@ class ChoiceState:
     finish_reason: str | None = None
     text: str = ""  # the content: without the tool calls
     entries: list = field(default_factory=list)  # (token id, logprobs) of every token
+    token_ids: list = field(default_factory=list)  # the answer's tokens
 
     def advance(self, out) -> tuple[str, list]:
         """Feed one StreamOutput; returns (released content, logprob entries of new tokens).
@@ -82,6 +83,7 @@ class ChoiceState:
         self.num_cached_tokens = out.num_cached_tokens
         self.drafted, self.accepted = out.num_drafted_tokens, out.num_accepted_tokens
         self.spec_methods = out.spec_methods
+        self.token_ids += out.new_token_ids
         delta = self.detok.add(out.new_token_ids)
         if out.finished:
             delta += self.detok.flush()
@@ -119,6 +121,7 @@ class Generation:
     streams: list  # one RequestStream per choice
     completion_id: str
     include_usage: bool  # streamed: a last chunk with the usage
+    prediction: list[int] | None = None  # the request's Predicted Output (token ids)
 
     @classmethod
     def submit(cls, state: ServerState, renderer: Renderer, req, prompt_ids: list[int],
@@ -134,7 +137,8 @@ class Generation:
         choices = [ChoiceState(i, IncrementalDetokenizer(state.tokenizer, keep=keep),
                                StopChecker(req.stop), parsers[i]) for i in range(req.n)]
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return cls(state, renderer, prompt_ids, choices, streams, completion_id, include_usage)
+        return cls(state, renderer, prompt_ids, choices, streams, completion_id, include_usage,
+                   params[0].prediction)
 
     async def outputs(self) -> AsyncIterator[tuple[ChoiceState, str, list]]:
         """(choice, released text, new logprob entries) per engine output, until all are done.
@@ -187,7 +191,7 @@ class Generation:
         return {"data": json.dumps(body)}
 
     def _usage(self) -> dict:
-        return usage(len(self.prompt_ids), self.choices)
+        return usage(len(self.prompt_ids), self.choices, self.prediction)
 
 
 async def merged(streams: list) -> AsyncIterator[tuple[int, object]]:

@@ -133,6 +133,30 @@ class PromptCacheOptions(_Request):
                                "when memory is needed")
 
 
+MAX_PREDICTION_CHARS = 1_000_000  # (its tokens are bounded by the context: validation.py)
+
+
+class Prediction(_Request):
+    """Predicted Outputs: the text the answer is expected to be, mostly (e.g. the file being
+    edited); the server drafts from it and verifies every draft, so the answer is what it
+    would be without it."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["content"]
+    content: Union[str, list[TextPart]]
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+    @model_validator(mode="after")
+    def _bounded(self) -> "Prediction":
+        if len(self.text()) > MAX_PREDICTION_CHARS:
+            raise ValueError(f"a prediction of at most {MAX_PREDICTION_CHARS} characters")
+        return self
+
+
 class _SamplingFields(_Request):
     model_config = ConfigDict(extra="forbid")  # an unknown argument is a 400 naming it
     model: str
@@ -154,6 +178,8 @@ class _SamplingFields(_Request):
     stream_options: Optional[StreamOptions] = None
     speculative: Optional[bool] = None  # extra: false opts this request out of speculation
     ignore_eos: bool = False  # extra
+    # Predicted Outputs (an extra on /v1/completions)
+    prediction: Optional[Prediction] = None
     # extra, as in vLLM: requests share prefix-cache blocks only with equal salts
     cache_salt: Optional[str] = Field(default=None, min_length=1, max_length=256)
     # structured output: OpenAI's response_format, and vLLM's guided_regex / guided_choice
@@ -234,7 +260,6 @@ class ChatCompletionRequest(_SamplingFields):
     audio: Optional[dict] = None
     web_search_options: Optional[dict] = None
     moderation: Optional[dict] = None
-    prediction: Optional[dict] = None
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
@@ -264,11 +289,6 @@ class ChatCompletionRequest(_SamplingFields):
     @classmethod
     def _no_moderation(cls, value):
         return _refused(value, "moderation is not served: no moderation model runs here")
-
-    @field_validator("prediction")
-    @classmethod
-    def _no_prediction(cls, value):
-        return _refused(value, "Predicted Outputs are not served yet")
 
     @field_validator("store")
     @classmethod
@@ -403,7 +423,9 @@ CHAT_FIELDS = {
     "service_tier": "'auto' or 'default'; the other tiers refused",
     "modalities": "['text'] only", "reasoning_effort": "'none' only: the model does not reason",
     "verbosity": "refused", "audio": "refused", "web_search_options": "refused",
-    "moderation": "refused", "prediction": "refused until Predicted Outputs are served",
+    "moderation": "refused",
+    "prediction": "served: drafts from the predicted text, verified (the answer does not "
+                  "depend on it); usage.completion_tokens_details counts its tokens",
 }
 COMPLETION_FIELDS = {
     **_SHARED_FIELDS,

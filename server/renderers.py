@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from engine.spec_decode.prediction import predicted_tokens
 from server.protocol import ChatCompletionRequest, CompletionRequest, now
 
 if TYPE_CHECKING:
@@ -23,11 +24,17 @@ def envelope(object_: str, completion_id: str, model: str, choices: list[dict],
             "system_fingerprint": None, "choices": choices, **extra}
 
 
-def usage(prompt_len: int, choices: list[ChoiceState]) -> dict:
+def usage(prompt_len: int, choices: list[ChoiceState],
+          prediction: list[int] | None = None) -> dict:
     completion = sum(c.num_tokens for c in choices)
     body = {"prompt_tokens": prompt_len, "completion_tokens": completion,
             "total_tokens": prompt_len + completion,
             "prompt_tokens_details": {"cached_tokens": max(c.num_cached_tokens for c in choices)}}
+    if prediction is not None:  # OpenAI's Predicted Outputs counts, summed over the choices
+        accepted = [predicted_tokens(prediction, c.token_ids) for c in choices]
+        body["completion_tokens_details"] = {
+            "accepted_prediction_tokens": sum(accepted),
+            "rejected_prediction_tokens": sum(len(prediction) - a for a in accepted)}
     drafted = sum(c.drafted for c in choices)
     if drafted:
         methods: dict[str, dict[str, int]] = {}

@@ -186,8 +186,9 @@ def sampling_params(state: ServerState, req, prompt_ids: list[int], max_tokens: 
     # without max_tokens a choice may fill the context; at least 1, so that a prompt too long
     # for the context is what the engine reports
     room = max(1, state.client.info.max_model_len - len(prompt_ids))
+    prediction = prediction_ids(state, req)
     try:
-        params = [_choice_params(req, i, max_tokens or room, num_logprobs, grammar)
+        params = [_choice_params(req, i, max_tokens or room, num_logprobs, grammar, prediction)
                   for i in range(req.n)]
         state.client.validate(prompt_ids, params[0])  # the choices differ only in their seed
     except InvalidRequestError as exc:
@@ -225,12 +226,25 @@ def request_grammar(req) -> tuple[str, str] | None:
         raise APIError(400, f"invalid {given[0]}: {exc}", given[0], "invalid_value") from None
 
 
+def prediction_ids(state: ServerState, req) -> list[int] | None:
+    """The request's Predicted Output as token ids (None: none given); at most the context
+    long."""
+    if req.prediction is None:
+        return None
+    ids = state.tokenizer.encode(req.prediction.text(), add_special_tokens=False)
+    limit = state.client.info.max_model_len
+    if len(ids) > limit:
+        raise APIError(400, f"the prediction is {len(ids)} tokens; at most {limit} (the "
+                            f"context)", "prediction", "invalid_value")
+    return ids
+
+
 def _choice_params(req, index: int, max_tokens: int, num_logprobs: int | None,
-                   grammar: str | None) -> SamplingParams:
+                   grammar: str | None, prediction: list[int] | None) -> SamplingParams:
     seed = None if req.seed is None else choice_seed(req.seed, index)
     return SamplingParams(
         max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
         min_p=req.min_p, presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
         logit_bias=req.logit_bias, seed=seed, logprobs=num_logprobs, ignore_eos=req.ignore_eos,
-        speculative=req.speculative is not False, grammar=grammar)
+        speculative=req.speculative is not False, grammar=grammar, prediction=prediction)

@@ -274,3 +274,43 @@ def test_smollm2_tool_calls_with_and_without_speculation(smollm2_path):
                 jsonschema.validate(json.loads(call["function"]["arguments"]),
                                     weather["function"]["parameters"])
     assert calls, "the required grammar's answers are calls"
+
+
+def test_a_correct_prediction_is_accepted_nearly_whole(smollm2_path, tmp_path):
+    """Predicted Outputs on a real model through the official client: with the answer itself as
+    the prediction (an edit whose result the caller knows), the answer is the same and most of
+    it was drafted from the prediction and accepted; a partly wrong one changes nothing."""
+    import openai
+
+    from server_utils import ServerProcess
+
+    cfg = tmp_path / "suffix.yaml"
+    cfg.write_text(f"engine:\n  model: {smollm2_path}\n  device: cpu\n"
+                   f"  speculative:\n    method: suffix\n    adaptive: false\n"
+                   f"    suffix_cross_request: false\n")
+    srv = ServerProcess(["--config", str(cfg), "--served-model-name", "smol"]).wait_ready()
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        ask = [{"role": "user", "content": "Add a docstring to this function:\n"
+                "def area(width, height):\n    return width * height\n"}]
+
+        def run(prediction=None):
+            extra = {} if prediction is None else {
+                "prediction": {"type": "content", "content": prediction}}
+            out = client.chat.completions.create(model="smol", messages=ask, temperature=0,
+                                                 max_tokens=64, **extra)
+            methods = (out.usage.model_extra or {}).get("speculative", {}).get("methods", {})
+            return (out.choices[0].message.content, out.usage,
+                    methods.get("prediction", {}).get("accepted_tokens", 0))
+
+        plain, usage, _ = run()
+        text, usage, drafted = run(plain)
+        details = usage.completion_tokens_details
+        assert text == plain
+        assert details.accepted_prediction_tokens >= 0.8 * usage.completion_tokens
+        assert drafted >= 0.6 * usage.completion_tokens
+        edited = plain.replace("width", "w", 1)
+        text, usage, drafted = run(edited)
+        assert text == plain and drafted > 0
+    finally:
+        assert srv.terminate() == 0

@@ -60,7 +60,6 @@ REFUSED_CHAT = [  # (keyword arguments of chat.completions.create, the param the
     ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
     ({"web_search_options": {}}, "web_search_options"),
     ({"moderation": {"model": "omni-moderation-latest"}}, "moderation"),
-    ({"prediction": {"type": "content", "content": "fox"}}, "prediction"),
     ({"reasoning_effort": "high"}, "reasoning_effort"),
     ({"verbosity": "low"}, "verbosity"),
     ({"prompt_cache_retention": "24h"}, "prompt_cache_retention"),

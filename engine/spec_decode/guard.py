@@ -77,7 +77,8 @@ class _LastProposal:
 
 class Choice(NamedTuple):
     """The plan for the next step's candidates: k of the proposer (draft model, head, prompt
-    lookup) and k of their suffix proposals (at most one of the two nonzero), and the
+    lookup) and k of their free proposals (a suffix match or the request's prediction; at most
+    one of the two nonzero), and the
     acceptance estimate each sequence's k was chosen on (none in a plain step)."""
 
     draft_ks: list[int]

@@ -40,9 +40,10 @@ from engine.spec_decode.eagle import EagleHead
 from engine.spec_decode.eagle_proposer import EagleProposer
 from engine.spec_decode.guard import Guard, StepRecord
 from engine.spec_decode.ngram import NgramProposer
+from engine.spec_decode.prediction import PredictionMatcher
 from engine.spec_decode.proposer import Proposer
 from engine.spec_decode.stats import SpecDecodeStats
-from engine.spec_decode.suffix import SuffixCache
+from engine.spec_decode.suffix import SuffixCache, SuffixDraft
 
 
 @dataclass
@@ -54,6 +55,7 @@ class SpecState:
     q: torch.Tensor | None = None  # [k, V] their draft probabilities (None: one-hot)
     method: tuple[str, int] | None = None  # (method, suffix match length) of the pending drafts
     acceptance: float | None = None  # the estimate its last drafts were chosen on
+    prediction: PredictionMatcher | None = None  # its Predicted Outputs, where it has one
 
 
 class NoSpeculation:
@@ -212,24 +214,42 @@ class Speculator(NoSpeculation):
         rooms = [self._room(s) for s in candidates]
         # (the class of the running batch: what the next step will most likely decode)
         mode = self.guard.mode(len(running))
-        matches = None  # suffix proposals: no draft forward needed
+        matches = None  # free proposals (suffix matches, predictions): no draft forward
         if self.suffix is not None:
             for s in candidates:
                 self.suffix.sync(s)
-            if mode != "plain":
-                matches = [self.suffix.propose(s, room) for s, room in zip(candidates, rooms)]
+        if mode != "plain" and (self.suffix is not None
+                                or any(s.params.prediction for s in candidates)):
+            matches = [self._free(s, room) for s, room in zip(candidates, rooms)]
         choice = self.guard.choose(running, candidates, rooms, num_joining,
-                                   None if matches is None else [m.confidence for m in matches],
+                                   None if matches is None else [m.confidence
+                                                                 for m, _ in matches],
                                    mode, self._backlog)
         for s, a in zip(candidates, choice.acceptance):
             self._state(s).acceptance = a
-        for s, k, match in zip(candidates, choice.suffix_ks, matches or []):
+        for s, k, (match, method) in zip(candidates, choice.suffix_ks, matches or []):
             if k:
-                self._set_drafts(s, match.token_ids[:k], None, ("suffix", match.match_length))
+                self._set_drafts(s, match.token_ids[:k], None, (method, match.match_length))
         chosen = [(s, k) for s, k in zip(candidates, choice.draft_ks) if k > 0]
         if chosen:
             self._propose_with(*map(list, zip(*chosen)))
         return [s for s, _ in chosen]
+
+    def _free(self, seq: Sequence, room: int) -> tuple[SuffixDraft, str]:
+        """The sequence's free proposal and its method: its suffix match or its prediction's
+        continuation, whichever expects more accepted tokens."""
+        best, method = SuffixDraft(), "suffix"
+        if self.suffix is not None:
+            best = self.suffix.propose(seq, room)
+        if seq.params.prediction:
+            state = self._state(seq)
+            if state.prediction is None:
+                state.prediction = PredictionMatcher(seq.params.prediction)
+            own = state.prediction.propose(seq.output_token_ids,
+                                           min(room, self.config.suffix_max_spec_tokens))
+            if sum(own.confidence) > sum(best.confidence):
+                best, method = own, "prediction"
+        return best, method
 
     def _backlog(self, seq: Sequence) -> int:
         """Tokens the proposer must catch up on before it drafts for `seq`."""
@@ -286,6 +306,9 @@ class Speculator(NoSpeculation):
         counts[1] += num_accepted
         counts[2] += num_accepted < num_drafted
         self.stats.record_verification(num_drafted, num_accepted, method)
+        if method == "prediction":  # the request's own prediction, its own acceptance
+            state.prediction.record(num_drafted, num_accepted)
+            return
         if method == "suffix":  # the suffix cache calibrates its own confidences
             self.suffix.record(seq, match_length, num_drafted, num_accepted)
             return
