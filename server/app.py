@@ -2,7 +2,9 @@
 middleware stack.
 
 The routes are thin: the endpoints' work is server.generation's one flow, with
-server.validation's preparation and server.renderers' formats. Must not touch a `Sequence`.
+server.validation's preparation and server.renderers' formats; /v1/responses translates its
+request to a chat request first and keeps its answers (server.responses). Must not touch a
+`Sequence`.
 """
 
 from __future__ import annotations
@@ -15,13 +17,14 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 
 from engine import LLMEngine
-from server import errors
+from server import errors, responses
 from server.generation import respond
 from server.metrics import CONTENT_TYPE_LATEST
 from server.middleware import (AccessMiddleware, AuthMiddleware, BodyLimitMiddleware,
                                ConnectionCapMiddleware)
 from server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from server.renderers import ChatRenderer, CompletionRenderer
+from server.responses_protocol import ResponsesRequest
 from server.state import ServerState
 from server.validation import prepare_chat, prepare_completion
 
@@ -103,6 +106,21 @@ def _add_api_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         return await respond(state, request, req, prepare_completion, CompletionRenderer)
+
+    cfg = state.config.server
+    store = responses.ResponseStore(cfg.responses_store_per_key, cfg.responses_store_total)
+
+    @app.post("/v1/responses")
+    async def create_response(req: ResponsesRequest, request: Request):
+        return await responses.create(state, store, request, req)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str, request: Request):
+        return responses.retrieve(store, request, response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str, request: Request):
+        return responses.delete(store, request, response_id)
 
 
 def _add_middleware(app: FastAPI, state: ServerState) -> None:

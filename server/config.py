@@ -36,6 +36,11 @@ class ServerConfig(BaseModel):
     # behind the API key when keys are configured
     metrics_port: Optional[int] = Field(default=None, ge=0, le=65535)
     metrics_host: Optional[str] = None  # default: `host`
+    # /v1/responses keeps finished responses in memory (previous_response_id, GET, DELETE):
+    # at most so many per API key and cache_salt, and in all; the oldest evicted first.
+    # 0: none kept (then `store: true` is a 400)
+    responses_store_per_key: int = Field(default=256, ge=0)
+    responses_store_total: int = Field(default=4096, ge=0)
     # HTTP limits (server/http.py), per request unless said otherwise
     max_header_bytes: int = Field(default=64 << 10, ge=1024)  # request line + headers: 431
     max_request_line_bytes: int = Field(default=8 << 10, ge=256)  # method, target, version: 414

@@ -47,7 +47,7 @@ def _validation_param(errors: list[dict]) -> str | None:
         return None
     loc = [str(p) for p in errors[0].get("loc", ()) if p != "body"]
     # drop pydantic's union-branch markers ("str", "list[TextPart]", "function-after[...]")
-    loc = [p for p in loc if not re.match(r"^(str|int|float|list\[.*\]|function-.*|"
+    loc = [p for p in loc if not re.match(r"^(str|int|float|list\[.*\]|function-.*|type=.*|"
                                           r"dict\[.*\]|union\[.*\]|tagged-union\[.*\])$", p)]
     return ".".join(loc) or None
 
@@ -74,7 +74,8 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError):
-        errors = exc.errors()
+        # the deepest first: of a union's branches, the one that got furthest says most
+        errors = sorted(exc.errors(), key=lambda e: -len(e.get("loc", ())))
         return error_response(400, _validation_message(errors), _validation_param(errors),
                               "invalid_value")
 

@@ -10,7 +10,6 @@ the last SSE event, is here. Must not touch a `Sequence`: it talks to the engine
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -20,12 +19,11 @@ from fastapi.responses import JSONResponse, Response
 from sse_starlette import EventSourceResponse
 
 from engine import SamplingParams
-from server import errors, tool_parser
+from server import tool_parser
 from server.detokenizer import IncrementalDetokenizer, StopChecker
 from server.engine_client import EngineDeadError, EngineStepError
 from server.errors import APIError
 from server.middleware import REQUEST_ID
-from server.protocol import new_id
 from server.renderers import Renderer, usage
 from server.state import ServerState
 from server.tool_parser import ToolCallParser
@@ -38,12 +36,19 @@ Prepare = Callable[[ServerState, object], tuple[list[int], list[SamplingParams]]
 
 async def respond(state: ServerState, request: Request, req, prepare: Prepare,
                   renderer_cls: type[Renderer]) -> Response:
-    """Both endpoints' flow: `prepare` gives prompt ids and sampling params, `renderer_cls`
-    (with a `for_request` constructor) the output format."""
+    """Chat's and completions' flow: `prepare` gives prompt ids and sampling params,
+    `renderer_cls` (with a `for_request` constructor) the output format."""
     check_accepting(state)
     check_model(state, req.model)
     prompt_ids, params = prepare(state, req)
-    renderer = renderer_cls.for_request(state.tokenizer, req)
+    return await serve(state, request, req, prompt_ids, params,
+                       renderer_cls.for_request(state.tokenizer, req))
+
+
+async def serve(state: ServerState, request: Request, req, prompt_ids: list[int],
+                params: list[SamplingParams], renderer: Renderer) -> Response:
+    """Every endpoint's flow once its request is a (chat or completion) request `req`, its
+    prompt ids and sampling params: submit, then stream or answer once every choice is done."""
     gen = Generation.submit(state, renderer, req, prompt_ids, params,
                             cache_salt(state, request, req))
     who = {k: v for k in ("user", "safety_identifier") if (v := getattr(req, k, None))}
@@ -129,7 +134,7 @@ class Generation:
         """Queue one engine request per choice, now (so the queue-length check sees them);
         `salt` is their prefix-cache partition."""
         # never the client's X-Request-Id: two requests sending the same one must not collide
-        completion_id = new_id(renderer.id_prefix)
+        completion_id = renderer.new_id()
         streams = [state.client.submit(f"{completion_id}-{i}", prompt_ids, p, salt)
                    for i, p in enumerate(params)]
         parsers = [tool_parser.for_request(req, state.tokenizer) for _ in range(req.n)]
@@ -162,35 +167,30 @@ class Generation:
                 break
 
     async def events(self) -> AsyncIterator[dict]:
-        """The SSE events: the renderer's chunks, the usage if asked for, [DONE]; a failure
-        becomes an error event (the status line is long gone)."""
+        """The SSE events, as the renderer frames them; a failure becomes the renderer's error
+        events (the status line is long gone)."""
+        renderer = self.renderer
         try:
-            for choice_body in self.renderer.opening(self.choices):
-                yield self._chunk([choice_body])
+            for event in renderer.opening(self):
+                yield event
             async for choice, text, entries in self.outputs():
-                for choice_body in self.renderer.stream_choices(choice, text, entries):
-                    yield self._chunk([choice_body])
-            if self.include_usage:
-                yield self._chunk([], self._usage())
+                for event in renderer.stream_events(self, choice, text, entries):
+                    yield event
+            for event in renderer.closing(self):
+                yield event
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            yield error_event(exc)
-        yield {"data": "[DONE]"}
+            for event in renderer.failed(self, exc):
+                yield event
 
     async def response(self) -> JSONResponse:
         """The non-streamed answer, once every choice is done."""
         async for _ in self.outputs():
             pass
-        return JSONResponse(self.renderer.body(self.completion_id, self.state.model_name,
-                                               self.choices, self._usage()))
+        return JSONResponse(self.renderer.body(self))
 
-    def _chunk(self, choices: list[dict], usage_body: dict | None = None) -> dict:
-        extra = {"usage": usage_body} if self.include_usage else {}
-        body = self.renderer.chunk(self.completion_id, self.state.model_name, choices, **extra)
-        return {"data": json.dumps(body)}
-
-    def _usage(self) -> dict:
+    def usage(self) -> dict:
         return usage(len(self.prompt_ids), self.choices, self.prediction)
 
 
@@ -252,13 +252,3 @@ async def run_until_done_or_disconnect(request: Request, coro):
 def stream_response(events: AsyncIterator[dict]) -> EventSourceResponse:
     return EventSourceResponse(events, ping=15, headers={"Cache-Control": "no-cache",
                                                          "X-Accel-Buffering": "no"})
-
-
-def error_event(exc: Exception) -> dict:
-    if isinstance(exc, APIError):
-        body = errors.error_body(exc.status, exc.message, exc.param, exc.code)
-    else:
-        log.error("error in a stream: %s", exc)
-        body = errors.error_body(500, "the request failed while generating", None,
-                                 "generation_failed")
-    return {"data": json.dumps(body)}

@@ -115,6 +115,19 @@ MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512  # OpenAI
 MAX_IDENTIFIER = 1024  # user, safety_identifier, prompt_cache_key
 
 
+def check_metadata(value: dict | None) -> dict | None:
+    """OpenAI's limits of `metadata`."""
+    if value is None:
+        return None
+    if len(value) > MAX_METADATA_PAIRS:
+        raise ValueError(f"at most {MAX_METADATA_PAIRS} key-value pairs")
+    for key, item in value.items():
+        if len(key) > MAX_METADATA_KEY or len(item) > MAX_METADATA_VALUE:
+            raise ValueError(f"keys of at most {MAX_METADATA_KEY} characters and values "
+                             f"of at most {MAX_METADATA_VALUE}")
+    return value
+
+
 class PromptCacheOptions(_Request):
     model_config = ConfigDict(extra="forbid")
     mode: Optional[str] = None
@@ -244,16 +257,38 @@ class NamedToolChoice(_Request):
     function: FunctionName
 
 
-class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
-    # decided fields of OpenAI's chat completions beyond sampling (see CHAT_FIELDS)
+class AccountFields(BaseModel):
+    """Fields of chat completions and responses alike: who asks, the prompt cache's hints,
+    metadata, the service tier (see CHAT_FIELDS)."""
+
     safety_identifier: Optional[str] = Field(default=None, max_length=MAX_IDENTIFIER)
     prompt_cache_key: Optional[str] = Field(default=None, max_length=MAX_IDENTIFIER)
     prompt_cache_retention: Optional[str] = None
     prompt_cache_options: Optional[PromptCacheOptions] = None
     metadata: Optional[dict[str, str]] = None
-    store: Optional[bool] = None
     service_tier: Optional[str] = None
+
+    @field_validator("service_tier")
+    @classmethod
+    def _check_tier(cls, value):
+        return _only(value, ("auto", "default"), "one tier is served: 'auto' or 'default'")
+
+    @field_validator("prompt_cache_retention")
+    @classmethod
+    def _check_retention(cls, value):
+        return _only(value, ("in_memory", "in-memory"), "the prefix cache lives in memory "
+                     "(evicted when blocks are needed): only 'in_memory'")
+
+    @field_validator("metadata")
+    @classmethod
+    def _check_metadata(cls, value):
+        return check_metadata(value)
+
+
+class ChatCompletionRequest(_SamplingFields, AccountFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    # decided fields of OpenAI's chat completions beyond sampling (see CHAT_FIELDS)
+    store: Optional[bool] = None
     modalities: Optional[list[str]] = None
     reasoning_effort: Optional[str] = None
     verbosity: Optional[str] = None
@@ -297,11 +332,6 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("chat completions are not stored here: store must be false")
         return value
 
-    @field_validator("service_tier")
-    @classmethod
-    def _check_tier(cls, value):
-        return _only(value, ("auto", "default"), "one tier is served: 'auto' or 'default'")
-
     @field_validator("modalities")
     @classmethod
     def _check_modalities(cls, value):
@@ -319,25 +349,6 @@ class ChatCompletionRequest(_SamplingFields):
     def _check_verbosity(cls, value):
         return _refused(value, "verbosity is not served: the model's answer length follows "
                                "the prompt and max_completion_tokens")
-
-    @field_validator("prompt_cache_retention")
-    @classmethod
-    def _check_retention(cls, value):
-        return _only(value, ("in_memory", "in-memory"), "the prefix cache lives in memory "
-                     "(evicted when blocks are needed): only 'in_memory'")
-
-    @field_validator("metadata")
-    @classmethod
-    def _check_metadata(cls, value):
-        if value is None:
-            return None
-        if len(value) > MAX_METADATA_PAIRS:
-            raise ValueError(f"at most {MAX_METADATA_PAIRS} key-value pairs")
-        for key, item in value.items():
-            if len(key) > MAX_METADATA_KEY or len(item) > MAX_METADATA_VALUE:
-                raise ValueError(f"keys of at most {MAX_METADATA_KEY} characters and values "
-                                 f"of at most {MAX_METADATA_VALUE}")
-        return value
 
     @property
     def tool_mode(self) -> str:

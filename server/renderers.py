@@ -8,13 +8,18 @@ touch the engine nor the event loop: it formats what it is given.
 
 from __future__ import annotations
 
+import json
+import logging
 from typing import TYPE_CHECKING
 
 from engine.spec_decode.prediction import predicted_tokens
-from server.protocol import ChatCompletionRequest, CompletionRequest, now
+from server.errors import APIError, error_body
+from server.protocol import ChatCompletionRequest, CompletionRequest, new_id, now
 
 if TYPE_CHECKING:
-    from server.generation import ChoiceState
+    from server.generation import ChoiceState, Generation
+
+log = logging.getLogger("specserve.server")
 
 
 def envelope(object_: str, completion_id: str, model: str, choices: list[dict],
@@ -50,37 +55,95 @@ def usage(prompt_len: int, choices: list[ChoiceState],
 
 
 class Renderer:
-    """One endpoint's output format. Entries are (token id, (logprob, [(id, logprob), ...]))."""
+    """One endpoint's output format: the streamed events and the non-streamed body of a
+    generation (server.generation.Generation: its id, choices and usage). Entries are
+    (token id, (logprob, [(id, logprob), ...]))."""
 
     id_prefix = ""  # of the completion id
+
+    def new_id(self) -> str:
+        return new_id(self.id_prefix)
+
+    def opening(self, gen: Generation) -> list[dict]:
+        """SSE events before any token."""
+        return []
+
+    def stream_events(self, gen: Generation, choice: ChoiceState, text: str,
+                      entries: list) -> list[dict]:
+        """SSE events for one engine output of `choice` (its released text and new tokens'
+        logprob entries)."""
+        raise NotImplementedError
+
+    def closing(self, gen: Generation) -> list[dict]:
+        """SSE events once every choice is done."""
+        return []
+
+    def failed(self, gen: Generation, exc: Exception) -> list[dict]:
+        """SSE events that end a stream the engine or the server failed."""
+        raise NotImplementedError
+
+    def body(self, gen: Generation) -> dict:
+        """The non-streamed answer."""
+        raise NotImplementedError
+
+
+class ChunkRenderer(Renderer):
+    """Chat and completions: a stream of chunks of the body's shape, one choice each, then the
+    usage if asked for, then [DONE]."""
+
     object = ""  # of the non-streamed body
     chunk_object = ""  # of each streamed chunk
 
     def __init__(self, tokenizer, with_logprobs: bool) -> None:
         self.tokenizer, self.with_logprobs = tokenizer, with_logprobs
 
-    def opening(self, choices: list[ChoiceState]) -> list[dict]:
+    def opening_choices(self, choices: list[ChoiceState]) -> list[dict]:
         """Choices sent before any token, one chunk each."""
         return []
 
     def stream_choices(self, choice: ChoiceState, text: str, entries: list) -> list[dict]:
-        """Choices for one engine output of `choice` (its released text and new tokens' logprob
-        entries), one chunk each."""
+        """Choices for one engine output of `choice`, one chunk each."""
         raise NotImplementedError
 
     def final_choice(self, choice: ChoiceState) -> dict:
         raise NotImplementedError
 
-    def body(self, completion_id: str, model: str, choices: list[ChoiceState],
-             usage_body: dict) -> dict:
-        return envelope(self.object, completion_id, model,
-                        [self.final_choice(c) for c in choices], usage=usage_body)
+    def opening(self, gen: Generation) -> list[dict]:
+        return [self._chunk(gen, [c]) for c in self.opening_choices(gen.choices)]
 
-    def chunk(self, completion_id: str, model: str, choices: list[dict], **extra) -> dict:
-        return envelope(self.chunk_object, completion_id, model, choices, **extra)
+    def stream_events(self, gen: Generation, choice: ChoiceState, text: str,
+                      entries: list) -> list[dict]:
+        return [self._chunk(gen, [c]) for c in self.stream_choices(choice, text, entries)]
+
+    def closing(self, gen: Generation) -> list[dict]:
+        usage_chunk = [self._chunk(gen, [], gen.usage())] if gen.include_usage else []
+        return usage_chunk + [{"data": "[DONE]"}]
+
+    def failed(self, gen: Generation, exc: Exception) -> list[dict]:
+        return [{"data": json.dumps(error_body_of(exc))}, {"data": "[DONE]"}]
+
+    def body(self, gen: Generation) -> dict:
+        return envelope(self.object, gen.completion_id, gen.state.model_name,
+                        [self.final_choice(c) for c in gen.choices], usage=gen.usage())
+
+    def _chunk(self, gen: Generation, choices: list[dict], usage_body: dict | None = None
+               ) -> dict:
+        extra = {"usage": usage_body} if gen.include_usage else {}
+        body = envelope(self.chunk_object, gen.completion_id, gen.state.model_name, choices,
+                        **extra)
+        return {"data": json.dumps(body)}
 
 
-class ChatRenderer(Renderer):
+def error_body_of(exc: Exception) -> dict:
+    """The OpenAI error body of a failure inside a stream: an APIError says what it is, anything
+    else is logged and reported without its insides."""
+    if isinstance(exc, APIError):
+        return error_body(exc.status, exc.message, exc.param, exc.code)
+    log.error("error in a stream: %s", exc)
+    return error_body(500, "the request failed while generating", None, "generation_failed")
+
+
+class ChatRenderer(ChunkRenderer):
     id_prefix, object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
     def __init__(self, tokenizer, with_logprobs: bool) -> None:
@@ -91,7 +154,7 @@ class ChatRenderer(Renderer):
     def for_request(cls, tokenizer, req: ChatCompletionRequest) -> ChatRenderer:
         return cls(tokenizer, req.logprobs)
 
-    def opening(self, choices: list[ChoiceState]) -> list[dict]:  # the role, once, first
+    def opening_choices(self, choices: list[ChoiceState]) -> list[dict]:  # the role, first
         return [{"index": c.index, "delta": {"role": "assistant", "content": ""},
                  "logprobs": None, "finish_reason": None} for c in choices]
 
@@ -132,7 +195,7 @@ class ChatRenderer(Renderer):
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
 
-class CompletionRenderer(Renderer):
+class CompletionRenderer(ChunkRenderer):
     id_prefix, object, chunk_object = "cmpl", "text_completion", "text_completion"
 
     @classmethod

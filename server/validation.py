@@ -104,14 +104,14 @@ def check_tool_results(req: ChatCompletionRequest) -> None:
 
 def call_grammar(state: ServerState, req: ChatCompletionRequest) -> tuple[str, str] | None:
     """The grammar of the calls tool_choice allows: "required" or a named function (calls
-    only), "auto" (text or calls; unless response_format or guided decoding constrains the
-    answer instead), else None."""
+    only: a response_format, which shapes text, has no text to shape in that turn, as agents
+    that force a tool before a structured answer expect), "auto" (text or calls; unless
+    response_format or guided decoding constrains the answer instead), else None."""
     mode = req.tool_mode
-    if mode == "none" or (mode == "auto" and request_grammar(req) is not None):
+    if mode == "none" or (request_grammar(req) is not None and mode == "auto"):
+        return None  # (request_grammar checked the format in every mode)
+    if not req.tools:  # "auto" of no tools (check_tool_choice refused the forced modes)
         return None
-    if request_grammar(req) is not None:
-        raise APIError(400, f"tool_choice {mode!r} cannot be combined with response_format or "
-                            f"guided decoding", "tool_choice", "invalid_value")
     offered = [t.model_dump(exclude_none=True) for t in req.tools]
     try:
         if mode == "auto":

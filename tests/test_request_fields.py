@@ -10,10 +10,12 @@ from pathlib import Path
 
 import openai
 import pytest
+from openai.resources.responses import Responses
 from server_utils import ServerProcess, save_tiny_model
 
 from server.protocol import (CHAT_FIELDS, CLIENT_ONLY, COMPLETION_FIELDS, ChatCompletionRequest,
                              CompletionRequest)
+from server.responses_protocol import RESPONSES_FIELDS, ResponsesRequest
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "tiny"
@@ -28,7 +30,8 @@ def client_fields(create) -> set[str]:
 @pytest.mark.parametrize("create, table, model", [
     (openai.resources.chat.completions.Completions.create, CHAT_FIELDS, ChatCompletionRequest),
     (openai.resources.completions.Completions.create, COMPLETION_FIELDS, CompletionRequest),
-], ids=["chat", "completions"])
+    (Responses.create, RESPONSES_FIELDS, ResponsesRequest),
+], ids=["chat", "completions", "responses"])
 def test_every_field_of_the_client_is_decided_and_documented(create, table, model):
     fields = client_fields(create)
     assert fields - set(table) == set(), "fields the client sends that nobody decided"
@@ -107,3 +110,47 @@ def test_served_and_accepted_fields_leave_the_answer_as_it_is(server, client):
     same = client.completions.create(model=MODEL, prompt="The quick", max_tokens=6,
                                      temperature=0, best_of=1, suffix="")
     assert same.choices[0].text == first.choices[0].text
+
+
+REFUSED_RESPONSES = [  # (keyword arguments of responses.create, the param the 400 names)
+    ({"background": True}, "background"),
+    ({"conversation": "conv_123"}, "conversation"),
+    ({"prompt": {"id": "pmpt_123"}}, "prompt"),
+    ({"context_management": [{"type": "compaction", "compact_threshold": 1000}]},
+     "context_management"),
+    ({"moderation": {"model": "omni-moderation-latest"}}, "moderation"),
+    ({"reasoning": {"effort": "medium"}}, "reasoning"),
+    ({"truncation": "auto"}, "truncation"),
+    ({"service_tier": "priority"}, "service_tier"),
+    ({"prompt_cache_retention": "24h"}, "prompt_cache_retention"),
+    ({"text": {"verbosity": "high"}}, "text.verbosity"),
+    ({"include": ["message.output_text.everything"]}, "include"),
+    ({"tools": [{"type": "file_search", "vector_store_ids": ["vs_1"]}]}, "tools.0"),
+    ({"extra_body": {"n": 2}}, "n"),
+]
+
+
+@pytest.mark.parametrize("kwargs, param", REFUSED_RESPONSES,
+                         ids=[p for _, p in REFUSED_RESPONSES])
+def test_responses_fields_not_served_are_400s_naming_them(client, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model=MODEL, input="The quick", max_output_tokens=4, **kwargs)
+    err = caught.value.body
+    assert err["param"] == param, err
+    assert err["type"] == "invalid_request_error" and err["message"]
+
+
+def test_accepted_responses_fields_leave_the_answer_as_it_is(server, client):
+    plain = client.responses.create(model=MODEL, input="The quick", max_output_tokens=6,
+                                    temperature=0)
+    decided = client.responses.create(
+        model=MODEL, input="The quick", max_output_tokens=6, temperature=0, store=False,
+        service_tier="auto", reasoning={"effort": "none"}, truncation="disabled",
+        metadata={"team": "search"}, prompt_cache_key="conversation-7",
+        prompt_cache_retention="in_memory", prompt_cache_options={"mode": "implicit"},
+        include=["reasoning.encrypted_content"], max_tool_calls=3, background=False,
+        safety_identifier="hashed-user-43", user="user-43")
+    assert decided.output_text == plain.output_text
+    assert decided.metadata == {"team": "search"} and decided.store is False
+    log = server.log()
+    assert "safety_identifier='hashed-user-43'" in log and "user='user-43'" in log

@@ -510,7 +510,7 @@ def test_drain_timeout_aborts_with_an_error_event_then_done(model_dir):
 
 def _schema_for_fuzzing(server, path):
     """Our /openapi.json, with `model` pinned to the served one (so requests reach generation)
-    and max_tokens and n kept small (so the run fits in CI)."""
+    and max_tokens (max_output_tokens) and n kept small (so the run fits in CI)."""
     schema = httpx.get(server.url + "/openapi.json").json()
     for name in ("ChatCompletionRequest", "CompletionRequest"):
         body = schema["components"]["schemas"][name]
@@ -520,6 +520,10 @@ def _schema_for_fuzzing(server, path):
         props["n"] = {"type": "integer", "minimum": 1, "maximum": 2}
         props.pop("max_completion_tokens", None)
         body["required"] = sorted(set(body.get("required", [])) | {"max_tokens"})
+    body = schema["components"]["schemas"]["ResponsesRequest"]
+    body["properties"]["model"] = {"type": "string", "enum": [MODEL]}
+    body["properties"]["max_output_tokens"] = {"type": "integer", "minimum": 1, "maximum": 8}
+    body["required"] = sorted(set(body.get("required", [])) | {"max_output_tokens"})
     path.write_text(json.dumps(schema))
     return path
 
@@ -532,7 +536,7 @@ def test_schemathesis_no_server_errors(server, tmp_path):
     schema = _schema_for_fuzzing(server, tmp_path / "openapi.json")
     cmd = [sys.executable, "-m", "schemathesis.cli", "run", str(schema), "--url", server.url,
            "--checks", "not_a_server_error", "--max-examples", "30",
-           "--include-path-regex", "^/v1/(chat/)?completions$", "--no-color",
+           "--include-path-regex", "^/v1/((chat/)?completions|responses)$", "--no-color",
            "--seed", "1", "--request-timeout", "60"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]

@@ -207,6 +207,17 @@ def test_auto_may_answer_in_text_and_a_tool_result_turn_works(client):
     assert out.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
+def test_a_forced_call_with_a_response_format_is_a_call(client):
+    """As on OpenAI: response_format shapes the text of an answer; a turn that must call has
+    none, so the call is written (agents force a tool before a structured final answer)."""
+    out = client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, tools=[WEATHER],
+                                         tool_choice="required", max_tokens=150, temperature=0,
+                                         parallel_tool_calls=False,
+                                         response_format={"type": "json_object"})
+    assert out.choices[0].finish_reason == "tool_calls"
+    _check_call(out.choices[0].message.tool_calls[0])
+
+
 @pytest.mark.parametrize("body, param", [
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice"),
@@ -217,8 +228,6 @@ def test_auto_may_answer_in_text_and_a_tool_result_turn_works(client):
     ({"tools": [WEATHER, WEATHER]}, "tools"),
     ({"tools": [{"type": "function", "function": {"name": "bad name"}}]},
      "tools.0.function.name"),
-    ({"tools": [WEATHER], "tool_choice": "required",
-      "response_format": {"type": "json_object"}}, "tool_choice"),
     ({"functions": [{"name": "f"}]}, "functions"),
 ])
 def test_bad_tool_requests_are_400_naming_the_field(server, body, param):
