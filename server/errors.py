@@ -67,6 +67,13 @@ def _validation_message(errors: list[dict]) -> str:
     return f"{where}: {msg}" if where else msg
 
 
+def describe_validation(errors: list[dict]) -> tuple[str, str | None]:
+    """(message, param) of pydantic's errors of a request: the deepest error first (of a
+    union's branches, the one that got furthest says most)."""
+    errors = sorted(errors, key=lambda e: -len(e.get("loc", ())))
+    return _validation_message(errors), _validation_param(errors)
+
+
 def install(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError):
@@ -74,10 +81,8 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError):
-        # the deepest first: of a union's branches, the one that got furthest says most
-        errors = sorted(exc.errors(), key=lambda e: -len(e.get("loc", ())))
-        return error_response(400, _validation_message(errors), _validation_param(errors),
-                              "invalid_value")
+        message, param = describe_validation(exc.errors())
+        return error_response(400, message, param, "invalid_value")
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException):

@@ -105,6 +105,15 @@ def _refused(value, why: str):
     return value
 
 
+def refused_fields(reasons: dict[str, str]):
+    """One validator of a request model that refuses each field of `reasons` unless null,
+    saying why (assign it to a name in the class body)."""
+    def check(cls, value, info):
+        return _refused(value, reasons[info.field_name])
+
+    return field_validator(*reasons)(classmethod(check))
+
+
 def _only(value, allowed: tuple, why: str):
     if value is not None and value not in allowed:
         raise ValueError(f"{value!r} is not served; {why}")
@@ -305,25 +314,14 @@ class ChatCompletionRequest(_SamplingFields, AccountFields):
     functions: Optional[list] = None
     function_call: Union[str, dict, None] = None
 
-    @field_validator("functions", "function_call")
-    @classmethod
-    def _deprecated(cls, value):
-        return _refused(value, "deprecated: use tools and tool_choice")
-
-    @field_validator("audio")
-    @classmethod
-    def _no_audio(cls, value):
-        return _refused(value, "audio output is not served: this server generates text")
-
-    @field_validator("web_search_options")
-    @classmethod
-    def _no_web_search(cls, value):
-        return _refused(value, "web search is not served: the model answers from its prompt")
-
-    @field_validator("moderation")
-    @classmethod
-    def _no_moderation(cls, value):
-        return _refused(value, "moderation is not served: no moderation model runs here")
+    _unserved = refused_fields({
+        "functions": "deprecated: use tools and tool_choice",
+        "function_call": "deprecated: use tools and tool_choice",
+        "audio": "audio output is not served: this server generates text",
+        "web_search_options": "web search is not served: the model answers from its prompt",
+        "moderation": "moderation is not served: no moderation model runs here",
+        "verbosity": "verbosity is not served: the model's answer length follows the prompt "
+                     "and max_completion_tokens"})
 
     @field_validator("store")
     @classmethod
@@ -343,12 +341,6 @@ class ChatCompletionRequest(_SamplingFields, AccountFields):
     @classmethod
     def _check_reasoning(cls, value):
         return _only(value, ("none",), "the served model does not reason: only 'none'")
-
-    @field_validator("verbosity")
-    @classmethod
-    def _check_verbosity(cls, value):
-        return _refused(value, "verbosity is not served: the model's answer length follows "
-                               "the prompt and max_completion_tokens")
 
     @property
     def tool_mode(self) -> str:

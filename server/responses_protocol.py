@@ -17,9 +17,9 @@ from typing import Annotated, ClassVar, Literal, Optional, Union
 from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError,
                       field_validator, model_validator)
 
-from server.errors import APIError
+from server.errors import APIError, describe_validation
 from server.protocol import (MAX_IDENTIFIER, AccountFields, ChatCompletionRequest,
-                             Prediction, _only, _refused)
+                             Prediction, _only, refused_fields)
 
 
 class _Item(BaseModel):
@@ -118,10 +118,8 @@ class FunctionCallOutputItem(_Item):
     namespace: Optional[str] = None
     caller: Optional[dict] = None
 
-    @field_validator("namespace", "caller")
-    @classmethod
-    def _plain_calls_only(cls, value):
-        return _refused(value, "only direct calls of function tools are served")
+    _unserved = refused_fields({name: "only direct calls of function tools are served"
+                                for name in ("namespace", "caller")})
 
     def text(self) -> str:
         if isinstance(self.output, str):
@@ -207,11 +205,8 @@ class TextConfig(_Item):
     format: Optional[TextFormat] = None
     verbosity: Optional[str] = None
 
-    @field_validator("verbosity")
-    @classmethod
-    def _no_verbosity(cls, value):
-        return _refused(value, "verbosity is not served: the model's answer length follows "
-                               "the prompt and max_output_tokens")
+    _unserved = refused_fields({"verbosity": "verbosity is not served: the model's answer "
+                                             "length follows the prompt and max_output_tokens"})
 
 
 class ReasoningConfig(_Item):
@@ -290,18 +285,14 @@ class ResponsesRequest(AccountFields):
             raise ValueError("background responses are not served: stream instead")
         return value
 
-    @field_validator("background_options", "conversation", "prompt", "context_management",
-                     "moderation", "image", "access_programs")
-    @classmethod
-    def _unserved(cls, value, info):
-        why = {"background_options": "background responses are not served",
-               "conversation": "conversations are not stored here: use previous_response_id",
-               "prompt": "stored prompt templates are not served: send instructions",
-               "context_management": "context compaction is not served",
-               "moderation": "no moderation model runs here",
-               "image": "image generation is not served",
-               "access_programs": "programs are not served"}[info.field_name]
-        return _refused(value, why)
+    _unserved = refused_fields({
+        "background_options": "background responses are not served",
+        "conversation": "conversations are not stored here: use previous_response_id",
+        "prompt": "stored prompt templates are not served: send instructions",
+        "context_management": "context compaction is not served",
+        "moderation": "no moderation model runs here",
+        "image": "image generation is not served",
+        "access_programs": "programs are not served"})
 
     @field_validator("truncation")
     @classmethod
@@ -429,7 +420,7 @@ def as_chat(req: ResponsesRequest, history: list[dict]) -> tuple[ChatCompletionR
     new = items_to_messages(req.input_items())
     messages = ([{"role": "system", "content": req.instructions}] if req.instructions else [])
     messages += history + new
-    if not messages or not (history or new):
+    if not (history or new):
         raise APIError(400, "input must not be empty", "input", "invalid_value")
     body = {
         "model": req.model, "messages": messages, "stream": req.stream,
@@ -453,10 +444,9 @@ def as_chat(req: ResponsesRequest, history: list[dict]) -> tuple[ChatCompletionR
         chat = ChatCompletionRequest.model_validate(
             {k: v for k, v in body.items() if v is not None})
     except ValidationError as exc:
-        first = exc.errors()[0]
-        loc = ".".join(str(p) for p in first["loc"])
-        param = responses_param(loc) if loc else None
-        message = first.get("msg", "invalid value").removeprefix("Value error, ")
-        raise APIError(400, f"{param}: {message}" if param else message, param,
-                       "invalid_value") from None
+        message, param = describe_validation(exc.errors())
+        where = responses_param(param)
+        if param is not None and message.startswith(f"{param}: "):
+            message = f"{where}: {message[len(param) + 2:]}"
+        raise APIError(400, message, where, "invalid_value") from None
     return chat, new

@@ -72,9 +72,10 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> tuple[list[i
     prompt_ids = chat_prompt_ids(state, req)
     num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = req.max_completion_tokens or req.max_tokens
+    fmt = request_grammar(req)
     return prompt_ids, sampling_params(state, req, prompt_ids, max_tokens, num_logprobs,
                                        prompt_field="messages",
-                                       grammar=call_grammar(state, req))
+                                       grammar=call_grammar(state, req, fmt) or fmt)
 
 
 def check_tool_choice(req: ChatCompletionRequest) -> None:
@@ -102,14 +103,16 @@ def check_tool_results(req: ChatCompletionRequest) -> None:
                            "invalid_value")
 
 
-def call_grammar(state: ServerState, req: ChatCompletionRequest) -> tuple[str, str] | None:
+def call_grammar(state: ServerState, req: ChatCompletionRequest,
+                 fmt: tuple[str, str] | None) -> tuple[str, str] | None:
     """The grammar of the calls tool_choice allows: "required" or a named function (calls
     only: a response_format, which shapes text, has no text to shape in that turn, as agents
     that force a tool before a structured answer expect), "auto" (text or calls; unless
-    response_format or guided decoding constrains the answer instead), else None."""
+    response_format or guided decoding, `fmt` (request_grammar's), constrains the answer
+    instead), else None."""
     mode = req.tool_mode
-    if mode == "none" or (request_grammar(req) is not None and mode == "auto"):
-        return None  # (request_grammar checked the format in every mode)
+    if mode == "none" or (fmt is not None and mode == "auto"):
+        return None
     if not req.tools:  # "auto" of no tools (check_tool_choice refused the forced modes)
         return None
     offered = [t.model_dump(exclude_none=True) for t in req.tools]

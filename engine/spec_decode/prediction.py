@@ -35,10 +35,7 @@ class PredictionMatcher:
 
     def __init__(self, prediction: list[int]) -> None:
         self.tokens = list(prediction)
-        # window of ANCHOR tokens -> the positions just after each of its occurrences, rising
-        self._index: dict[tuple[int, ...], list[int]] = {}
-        for end in range(ANCHOR, len(self.tokens) + 1):
-            self._index.setdefault(tuple(self.tokens[end - ANCHOR:end]), []).append(end)
+        self._index = window_index(self.tokens)
         self.cursor = 0  # where in the prediction the answer is, as far as known
         self.stats = AcceptanceStats()
         self.num_accepted = 0  # prediction tokens verified and accepted as drafts
@@ -91,6 +88,14 @@ class PredictionMatcher:
         return m
 
 
+def window_index(tokens: list[int]) -> dict[tuple[int, ...], list[int]]:
+    """Each window of ANCHOR tokens -> the positions just after its occurrences, rising."""
+    index: dict[tuple[int, ...], list[int]] = {}
+    for end in range(ANCHOR, len(tokens) + 1):
+        index.setdefault(tuple(tokens[end - ANCHOR:end]), []).append(end)
+    return index
+
+
 def predicted_tokens(prediction: list[int], answer: list[int]) -> int:
     """Tokens of the prediction that appear in the answer, in order: OpenAI's accepted
     prediction tokens (the rest are its rejected ones). The answer is walked once: a token equal
@@ -98,9 +103,7 @@ def predicted_tokens(prediction: list[int], answer: list[int]) -> int:
     tokens, all after the departure, re-align it at their next occurrence in the prediction,
     never an earlier one, and count. Linear in both lengths; a property of the answer alone,
     the same whether speculation drafted the tokens or not."""
-    index: dict[tuple[int, ...], list[int]] = {}
-    for end in range(ANCHOR, len(prediction) + 1):
-        index.setdefault(tuple(prediction[end - ANCHOR:end]), []).append(end)
+    index = window_index(prediction)
     count, cursor, departed = 0, 0, None  # departed: the answer's index where it left
     for i, token in enumerate(answer):
         if departed is None:
