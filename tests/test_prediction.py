@@ -73,16 +73,23 @@ def edited(tokens, seed):
     return t
 
 
-@pytest.mark.parametrize("method, adaptive", [("suffix", False), ("draft_model", True)])
-def test_output_never_depends_on_the_prediction(method, adaptive):
-    target = build_tiny_model("qwen2")
+@pytest.mark.parametrize("method, adaptive, served", [
+    ("suffix", False, False), ("draft_model", True, False), ("suffix", False, True)])
+def test_output_never_depends_on_the_prediction(method, adaptive, served):
+    """served: as the default config runs on the CPU (bf16, an int4 target), batched and each
+    request alone."""
+    import torch
+
+    kw = dict(dtype="bfloat16", quantization="int4") if served else {}
+    target = build_tiny_model("qwen2", dtype=torch.bfloat16 if served else torch.float32)
     draft = build_tiny_model("qwen2", seed=1) if method == "draft_model" else None
     prompts = random_prompts([12, 30, 7], seed=4)
     greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     seeded = [SamplingParams(temperature=0.8, seed=50 + i, max_tokens=40, ignore_eos=True)
               for i in range(len(prompts))]
     for params in ([greedy] * len(prompts), seeded):
-        plain = [o.output_token_ids for o in staggered(make_engine(target), prompts, params)]
+        plain = [o.output_token_ids
+                 for o in staggered(make_engine(target, **kw), prompts, params)]
         predictions = {"correct": plain, "edited": [edited(o, 200) for o in plain],
                        "empty": [[] for _ in plain],
                        "wrong": random_prompts([40] * len(plain), seed=5)}
@@ -91,11 +98,15 @@ def test_output_never_depends_on_the_prediction(method, adaptive):
                 continue
             # a fresh engine each: no suffix match from an earlier run's identical output
             engine = make_engine(target, method, draft, k_max=4, adaptive=adaptive,
-                                 max_num_seqs=8, suffix_max_spec_tokens=8)
+                                 max_num_seqs=8, suffix_max_spec_tokens=8, **kw)
             with_prediction = [dataclasses.replace(p, prediction=list(t))
                                for p, t in zip(params, predicted)]
             outs = staggered(engine, prompts, with_prediction)
             assert [o.output_token_ids for o in outs] == plain, name
+            if served and name in ("correct", "edited"):
+                alone = [engine.generate([p], sp)[0].output_token_ids
+                         for p, sp in zip(prompts, with_prediction)]
+                assert alone == plain, name
             accepted = sum(o.spec_methods.get("prediction", (0, 0))[1] for o in outs)
             if not adaptive and name == "correct":
                 assert accepted >= 0.8 * sum(map(len, plain))
