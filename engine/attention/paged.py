@@ -306,6 +306,11 @@ class PagedKVCache:
 _active: ContextVar[PagedKVCache | None] = ContextVar("specserve_paged_cache", default=None)
 
 
+def active_cache() -> PagedKVCache | None:
+    """The cache of the forward running in this context (`PagedKVCache.step`), if any."""
+    return _active.get()
+
+
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None,
                             dropout=0.0, **kwargs):
     """transformers attention function; see the module docstring.

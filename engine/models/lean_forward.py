@@ -16,7 +16,8 @@ building the paged path does not use: measured on the CPU, 1.5-2 ms per forward 
 1.5B target (37.6 ms instead of 39.8) and of the int4 0.5B draft (17.8 instead of 19.3).
 Attention goes through `paged_attention_forward` as in the models' own forward. Leaf modules'
 forwards are called directly, so forward hooks on modules do not run: a runner with hooks to
-honour sets `lean = False`.
+honour sets `lean = False`. Where native_layers.py can, a step's decoder layers run as one C++
+call of the same kernels in the same order (the same bits); elsewhere `_layers` runs them.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ from collections.abc import Callable
 
 import torch
 
-from engine.attention.paged import paged_attention_forward
+from engine.attention.paged import active_cache, paged_attention_forward
 from engine.kernels import fused
+from engine.models import native_layers
 
 SUPPORTED = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
 
@@ -134,29 +136,21 @@ def forward(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch
     indices) also the outputs of those layers at every row, concatenated:
     [T, len(capture) * hidden] (what a draft head reads). `reduce`: a split model's sum over
     ranks of the row-parallel layers' partial outputs (engine/parallel/group.py)."""
-    reduce = reduce or _whole
     inner = model.model
     h = inner.embed_tokens.forward(input_ids)
     fast = _fusable(model, h)
     rotary = _Rotary(model, *inner.rotary_emb.forward(h, position_ids),
                      fast and _fused_rotary(model))
     stream = _Residual(h, fast)
-    captured: dict[int, torch.Tensor] = {}
-    for index, layer in enumerate(inner.layers[:model.config.num_hidden_layers]):
-        attn = layer.self_attn
-        q, k, v = _projections(attn, "qkv_proj", ("q_proj", "k_proj", "v_proj"),
-                               stream.norm(layer.input_layernorm))
-        q, k, v = rotary(q, k, v, attn.head_dim)
-        o, _ = paged_attention_forward(attn, q, k, v, None, scaling=attn.scaling)
-        stream.add(reduce(attn.o_proj.forward(o.reshape(1, q.shape[2], -1).contiguous())))
-        mlp = layer.mlp
-        gate, up = _projections(mlp, "gate_up_proj", ("gate_proj", "up_proj"),
-                                stream.norm(layer.post_attention_layernorm))
-        act = (fused.kernel().silu_mul(_matrix(gate), _matrix(up)).view(gate.shape) if fast
-               else mlp.act_fn(gate) * up)
-        stream.add(reduce(mlp.down_proj.forward(act)))
-        if index in capture:
-            captured[index] = stream.settle()[0]
+    cache = active_cache()
+    loop = native_layers.loop_for(model, cache, reduce) if rotary.fused else None
+    if loop is not None:
+        new, pending, captured = native_layers.run(loop, cache, _matrix(h), rotary.cos[0],
+                                                   rotary.sin[0], capture)
+        stream.h = new.view(h.shape)
+        stream.pending = None if pending is None else pending.view(h.shape)
+    else:
+        captured = _layers(model, stream, rotary, reduce or _whole, capture)
     if keep is None:
         return None
     if fast:  # the norm is per row: the kept rows alone
@@ -170,6 +164,30 @@ def forward(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch
     if capture:
         return logits, torch.cat([captured[i] for i in capture], dim=-1)
     return logits
+
+
+def _layers(model: torch.nn.Module, stream: _Residual, rotary: "_Rotary",
+            reduce: Callable[[torch.Tensor], torch.Tensor], capture: tuple[int, ...]
+            ) -> dict[int, torch.Tensor]:
+    """The decoder layers over `stream`, one op at a time (native_layers.py runs the same ops
+    in one C++ call where it can); returns the stream after each layer of `capture`."""
+    captured: dict[int, torch.Tensor] = {}
+    for index, layer in enumerate(model.model.layers[:model.config.num_hidden_layers]):
+        attn = layer.self_attn
+        q, k, v = _projections(attn, "qkv_proj", ("q_proj", "k_proj", "v_proj"),
+                               stream.norm(layer.input_layernorm))
+        q, k, v = rotary(q, k, v, attn.head_dim)
+        o, _ = paged_attention_forward(attn, q, k, v, None, scaling=attn.scaling)
+        stream.add(reduce(attn.o_proj.forward(o.reshape(1, q.shape[2], -1).contiguous())))
+        mlp = layer.mlp
+        gate, up = _projections(mlp, "gate_up_proj", ("gate_proj", "up_proj"),
+                                stream.norm(layer.post_attention_layernorm))
+        act = (fused.kernel().silu_mul(_matrix(gate), _matrix(up)).view(gate.shape)
+               if stream.fast else mlp.act_fn(gate) * up)
+        stream.add(reduce(mlp.down_proj.forward(act)))
+        if index in capture:
+            captured[index] = stream.settle()[0]
+    return captured
 
 
 def _projections(owner: torch.nn.Module, merged: str, parts: tuple[str, ...],

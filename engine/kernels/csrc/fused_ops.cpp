@@ -206,4 +206,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual add then RMSNorm per row (AVX-512)");
   m.def("silu_mul", &silu_mul, "SiLU(gate) x up per row (AVX-512)");
   m.def("rotary_", &rotary_, "rotary embedding in place per row (AVX-512)");
+  // the functions' addresses, for decode_layers.cpp's loop (the same code, hence the same bits)
+  m.attr("rms_norm_address") = reinterpret_cast<uintptr_t>(&rms_norm);
+  m.attr("add_rms_norm_address") = reinterpret_cast<uintptr_t>(&add_rms_norm);
+  m.attr("silu_mul_address") = reinterpret_cast<uintptr_t>(&silu_mul);
+  m.attr("rotary_address") = reinterpret_cast<uintptr_t>(&rotary_);
 }

@@ -133,4 +133,6 @@ void paged_attention_rows(torch::Tensor out, torch::Tensor q, torch::Tensor k_ca
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention_rows", &paged_attention_rows, "paged attention of query rows (AVX-512)");
+  // the function's address, for decode_layers.cpp's loop (the same code, hence the same bits)
+  m.attr("paged_attention_rows_address") = reinterpret_cast<uintptr_t>(&paged_attention_rows);
 }
