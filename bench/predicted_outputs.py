@@ -62,10 +62,6 @@ import spec_methods as sm  # noqa: E402  (bench/: this script's directory)
 from results_file import write_results  # noqa: E402
 
 from engine import SamplingParams  # noqa: E402
-from engine.models import recipes  # noqa: E402
-from engine.models.draft import prepare_draft  # noqa: E402
-from engine.models.loader import load_model  # noqa: E402
-from engine.models.quantize import apply_quantization  # noqa: E402
 from engine.spec_decode.prediction import predicted_tokens  # noqa: E402
 
 WORKLOAD = ROOT / "bench/prompts/predicted_outputs"
@@ -166,27 +162,15 @@ def main() -> int:
                         help="cap on each request's max tokens (the file's tokens + 64)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="rounds of every case per concurrency, interleaved with plain")
-    parser.add_argument("--k-max", type=int, default=6)
-    parser.add_argument("--quantization", default="auto", choices=("auto", "int4", "none"),
-                        help="the target's (auto: int4 on the CPU, as make serve serves it)")
-    parser.add_argument("--draft-vocab-size", type=int, default=32768,
-                        help="the draft's vocabulary subset, as configs/default.yaml (0: all)")
-    parser.add_argument("--threads", type=int, default=None)
+    sm.add_pair_arguments(parser)
     parser.add_argument("--quick", action="store_true",
                         help="2 files, 48 tokens, 1 repeat, no results file: a smoke run")
     parser.add_argument("--out", default=str(ROOT / "bench/results/predicted_outputs.md"))
     args = parser.parse_args()
     if args.quick:
         args.files, args.max_tokens, args.repeats = 2, 48, 1
-    if args.threads:
-        torch.set_num_threads(args.threads)
 
-    target, tok = load_model(sm.TARGET, dtype="bfloat16")
-    target = apply_quantization(target, args.quantization, str(recipes.model_dir(sm.TARGET)),
-                                what="target")
-    form = sm.describe_linears(target)
-    draft, _ = load_model(sm.DRAFT, dtype="bfloat16")
-    draft = prepare_draft(draft, "int4", owned=True, source=str(recipes.model_dir(sm.DRAFT)))
+    target, tok, form, draft = sm.load_pair(args)
     edits = load_edits(tok, args.files)
     prompts = [e.prompt for e in edits]
     plain_params = [SamplingParams(temperature=0, max_tokens=min(len(e.prediction) + 64,

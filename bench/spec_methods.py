@@ -152,17 +152,35 @@ def run(engine, rounds, params, concurrency):
     return outputs, sum(len(o) for o in outputs), seconds
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("--edit-max-tokens", type=int, default=96,
-                        help="code_edit: long enough to reach the rewritten code")
+def add_pair_arguments(parser: argparse.ArgumentParser) -> None:
+    """The packaged pair's options (`load_pair` reads them)."""
     parser.add_argument("--k-max", type=int, default=6)
     parser.add_argument("--quantization", default="auto", choices=("auto", "int4", "none"),
                         help="the target's (auto: int4 on the CPU, as make serve serves it)")
     parser.add_argument("--draft-vocab-size", type=int, default=32768,
                         help="the draft's vocabulary subset, as configs/default.yaml (0: all)")
     parser.add_argument("--threads", type=int, default=None)
+
+
+def load_pair(args):
+    """(target, tokenizer, what its linears are, draft) as `make serve` serves them: the
+    target quantized as --quantization says, the draft with int4 linears."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target, tok = load_model(TARGET, dtype="bfloat16")
+    target = apply_quantization(target, args.quantization, str(recipes.model_dir(TARGET)),
+                                what="target")
+    draft, _ = load_model(DRAFT, dtype="bfloat16")
+    draft = prepare_draft(draft, "int4", owned=True, source=str(recipes.model_dir(DRAFT)))
+    return target, tok, describe_linears(target), draft
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--edit-max-tokens", type=int, default=96,
+                        help="code_edit: long enough to reach the rewritten code")
+    add_pair_arguments(parser)
     parser.add_argument("--c1-prompts", type=int, default=4,
                         help="prompts per workload at concurrency 1")
     parser.add_argument("--repeats", type=int, default=2,
@@ -182,14 +200,7 @@ def main() -> int:
                                                 else "spec_methods.md"))
     args.out = args.out or default_out
     methods_run = EAGLE_METHODS if args.speculator else METHODS
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    target, tok = load_model(TARGET, dtype="bfloat16")
-    target = apply_quantization(target, args.quantization, str(recipes.model_dir(TARGET)),
-                                what="target")
-    form = describe_linears(target)
-    draft, _ = load_model(DRAFT, dtype="bfloat16")
-    draft = prepare_draft(draft, "int4", owned=True, source=str(recipes.model_dir(DRAFT)))
+    target, tok, form, draft = load_pair(args)
     chat = load_prompts(tok, ROOT / "bench/prompts/chat.jsonl")
     edit = load_prompts(tok, ROOT / "bench/prompts/code_edit.jsonl")
     n = 2 if args.quick else 8
