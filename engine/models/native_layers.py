@@ -19,7 +19,6 @@ import functools
 
 import torch
 
-from engine.attention.paged import AttentionMetadata
 from engine.kernels import cpu_ext, fused
 from engine.kernels.quant_linear import Int4Linear, vnni_kernel
 
@@ -84,10 +83,11 @@ def _build(model: torch.nn.Module, attention_ext):
 def loop_for(model: torch.nn.Module, cache, reduce) -> object | None:
     """The C++ loop for this forward of `model` over `cache` (the active PagedKVCache), or
     None where the Python loop must run it (see the module docstring)."""
-    meta: AttentionMetadata | None = getattr(cache, "meta", None)
-    ext = getattr(cache.backend, "rows_ext", None) if cache is not None else None
-    if (not ENABLED or reduce is not None or meta is None or ext is None
-            or meta.kernel_rows is None or meta.short_q_index is not None or meta.long_spans):
+    if not ENABLED or reduce is not None or cache is None or cache.meta is None:
+        return None
+    meta, ext = cache.meta, getattr(cache.backend, "rows_ext", None)
+    if ext is None or meta.kernel_rows is None or meta.short_q_index is not None \
+            or meta.long_spans:
         return None
     built = model.__dict__.get("_specserve_native_layers")
     if built is None:
