@@ -13,7 +13,9 @@ int4 with suffix speculation (drafts from the text so far, no draft model).
 
 Workload: the 8 chat prompts of bench/prompts/chat.jsonl, greedy, at most --max-tokens new
 tokens each; c=1 (one request at a time: tokens/s = tokens / time of the requests) and c=8 (all
-8 at once: tokens / wall time). Reported besides speed: each engine's speculative output vs its
+8 at once: tokens / wall time), every request streamed; at c=1 also the decode steps' rate
+(the tokens after the first over the time from the first streamed token to the last: what one
+decode step costs served, without the prefill). Reported besides speed: each engine's speculative output vs its
 own plain output (greedy identity: answers identical, and the mean share of an answer before
 the first difference), int4 vs bf16 (what quantization changes), c=8 vs c=1, and memory (RSS
 of the server process after the run, and its peak).
@@ -23,9 +25,11 @@ with its vocabulary subset, batch invariance on, a 200-token context): the targe
 1 new token, of 1 + 4 (a verification), and the draft's forward of 1 token; the median of 12.
 The memory roofline: the bytes of weights a decode step reads (every weight but the embedding
 table, of which one row), the machine's read bandwidth (a streaming read of 1 GiB, far larger
-than the L3, by a vectorised loop compiled for the CPU, in this run), and the fraction of that floor our plain c=1 rate reaches.
+than the L3, by a vectorised loop compiled for the CPU, in this run), and the fraction of that floor our plain c=1 decode steps reach served (roofline_fraction; with
+the prefills counted: roofline_fraction_with_prefill).
 
-Ends with `RESULT ours_plain_vs_llamacpp_plain=… roofline_fraction=… verify5_vs_step1=…
+Ends with `RESULT ours_plain_vs_llamacpp_plain=… roofline_fraction=…
+roofline_fraction_with_prefill=… ours_plain_vs_llamacpp_plain_decode=… verify5_vs_step1=…
 draft_vs_target_step=… ours_spec_vs_llamacpp_plain=… ours_c8_vs_llamacpp_c8=…
 int4_spec_vs_int4_plain=… suffix_vs_int4_plain=… int4_vs_bf16_plain=…
 ours_spec_vs_llamacpp_spec=… ours_suffix_vs_llamacpp_plain=…` (ours spec: int4 + the int4
@@ -96,26 +100,44 @@ class LlamaServer:
         self._log.close()
 
 
-def chat(url: str, messages: list, max_tokens: int) -> tuple[str, int, float]:
-    body = {"model": "bench", "messages": messages, "max_tokens": max_tokens, "temperature": 0}
+def chat(url: str, messages: list, max_tokens: int) -> dict:
+    """One streamed greedy chat completion: its text, tokens, seconds, and the decode steps'
+    seconds (from the first content to the last: every token after the prefill's)."""
+    body = {"model": "bench", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    text, stamps, tokens = [], [], None
     t0 = time.perf_counter()
-    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=1800)
-    seconds = time.perf_counter() - t0
-    r.raise_for_status()
-    out = r.json()
-    return out["choices"][0]["message"]["content"] or "", out["usage"]["completion_tokens"], seconds
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=1800) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            for choice in chunk.get("choices") or []:
+                if (choice.get("delta") or {}).get("content"):
+                    text.append(choice["delta"]["content"])
+                    stamps.append(time.perf_counter())
+    if tokens is None:
+        raise RuntimeError(f"{url}: no usage in the stream")
+    return {"text": "".join(text), "tokens": tokens, "seconds": time.perf_counter() - t0,
+            "decode": stamps[-1] - stamps[0] if len(stamps) > 1 else 0.0}
 
 
 def measure(url: str, prompts: list, max_tokens: int) -> dict:
+    """c=1: tokens over the requests' time (prefill included) and the decode steps' rate
+    (tokens after the first over the time from the first to the last); c=8: over the wall."""
     chat(url, [{"role": "user", "content": "Hello"}], 8)  # warm-up
     c1 = [chat(url, p, max_tokens) for p in prompts]
     t0 = time.perf_counter()
     with ThreadPoolExecutor(len(prompts)) as pool:
         c8 = list(pool.map(lambda p: chat(url, p, max_tokens), prompts))
     wall = time.perf_counter() - t0
-    return {"texts": [c[0] for c in c1], "texts_c8": [c[0] for c in c8],
-            "c1": sum(c[1] for c in c1) / sum(c[2] for c in c1),
-            "c8": sum(c[1] for c in c8) / wall, "tokens": sum(c[1] for c in c1)}
+    return {"texts": [c["text"] for c in c1], "texts_c8": [c["text"] for c in c8],
+            "c1": sum(c["tokens"] for c in c1) / sum(c["seconds"] for c in c1),
+            "c1_decode": sum(c["tokens"] - 1 for c in c1) / sum(c["decode"] for c in c1),
+            "c8": sum(c["tokens"] for c in c8) / wall, "tokens": sum(c["tokens"] for c in c1)}
 
 
 _READ_LOOP = r"""
@@ -267,7 +289,8 @@ def main() -> int:
             runs[name]["rss"] = (rss_gb(srv.proc.pid, "VmRSS"), rss_gb(srv.proc.pid, "VmHWM"))
         finally:
             srv.terminate()
-        print(f"{name}: c1 {runs[name]['c1']:.2f} tok/s, c8 {runs[name]['c8']:.2f} tok/s",
+        print(f"{name}: c1 {runs[name]['c1']:.2f} tok/s (decode "
+              f"{runs[name]['c1_decode']:.2f}), c8 {runs[name]['c8']:.2f} tok/s",
               flush=True)
     for name, draft in (("llama.cpp Q4_K_M plain", None),
                         ("llama.cpp Q4_K_M + draft", draft_gguf)):
@@ -278,7 +301,8 @@ def main() -> int:
             runs[name]["cmd"] = " ".join(Path(c).name if "/" in c else c for c in srv.cmd)
         finally:
             srv.terminate()
-        print(f"{name}: c1 {runs[name]['c1']:.2f} tok/s, c8 {runs[name]['c8']:.2f} tok/s",
+        print(f"{name}: c1 {runs[name]['c1']:.2f} tok/s (decode "
+              f"{runs[name]['c1_decode']:.2f}), c8 {runs[name]['c8']:.2f} tok/s",
               flush=True)
 
     costs = forward_costs(args.threads, args.draft_vocab_size)
@@ -295,10 +319,11 @@ def main() -> int:
         "llama.cpp Q4_K_M + draft": f"vs llama.cpp plain: "
                                     f"{same(lspec['texts'], lplain['texts'])}",
     }
-    lines = ["| engine | c=1 tok/s | c=8 tok/s | greedy identity (c=1) | c=8 == c=1 | "
-             "RSS GB after the run (peak) |", "|---|---|---|---|---|---|"]
+    lines = ["| engine | c=1 tok/s | c=1 decode tok/s | c=8 tok/s | greedy identity (c=1) | "
+             "c=8 == c=1 | RSS GB after the run (peak) |", "|---|---|---|---|---|---|---|"]
     for name, r in runs.items():
-        lines.append(f"| {name} | {r['c1']:.2f} | {r['c8']:.2f} | {identity[name]} | "
+        lines.append(f"| {name} | {r['c1']:.2f} | {r['c1_decode']:.2f} | {r['c8']:.2f} | "
+                     f"{identity[name]} | "
                      f"{same(r['texts_c8'], r['texts'])} | {r['rss'][0]:.2f} "
                      f"({r['rss'][1]:.2f}) |")
     bandwidth, read_how = read_bandwidth(args.threads)
@@ -315,14 +340,19 @@ def main() -> int:
               f"{bandwidth / 1e9:.1f} GB/s |",
               f"| floor: one target step reading its weights once | {floor * 1e3:.1f} ms "
               f"({1 / floor:.1f} tokens/s) |",
-              f"| specserve int4 plain, served c=1 | {int4['c1'] * floor:.2f} of the roofline |",
+              f"| specserve int4 plain, served c=1: the decode steps / with the prefills | "
+              f"{int4['c1_decode'] * floor:.2f} / {int4['c1'] * floor:.2f} of the roofline |",
               f"| specserve int4 target forward, 1 row | "
               f"{floor / costs['target 1 row']:.2f} of the roofline |",
-              f"| llama.cpp Q4_K_M plain, served c=1 | {lplain['c1'] * floor:.2f} of the "
+              f"| llama.cpp Q4_K_M plain, served c=1: the decode steps / with the prefills | "
+              f"{lplain['c1_decode'] * floor:.2f} / {lplain['c1'] * floor:.2f} of the "
               f"roofline (its own file's bytes differ a little) |"]
     table = "\n".join(lines)
     result = (f"RESULT ours_plain_vs_llamacpp_plain={int4['c1'] / lplain['c1']:.2f} "
-              f"roofline_fraction={int4['c1'] * floor:.2f} "
+              f"roofline_fraction={int4['c1_decode'] * floor:.2f} "
+              f"roofline_fraction_with_prefill={int4['c1'] * floor:.2f} "
+              f"ours_plain_vs_llamacpp_plain_decode="
+              f"{int4['c1_decode'] / lplain['c1_decode']:.2f} "
               f"verify5_vs_step1={costs['target 1 + 4 rows'] / costs['target 1 row']:.2f} "
               f"draft_vs_target_step={costs['draft 1 row'] / costs['target 1 row']:.2f} "
               f"ours_spec_vs_llamacpp_plain={spec['c1'] / lplain['c1']:.2f} "
