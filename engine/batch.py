@@ -22,6 +22,35 @@ import torch
 from engine.device_io import to_device
 
 UNKNOWN = -1  # a draft's id in `Drafts.host` where only the device holds it
+ROOT = -1  # a draft's parent in a token tree: the sequence's last committed token
+MAX_TREE_NODES = 64  # drafts of one sequence's tree (a row's ancestors fit one 64-bit mask)
+
+
+def check_tree(parents: list[int], limit: int = MAX_TREE_NODES) -> None:
+    """Refuse what is not a token tree of at most `limit` nodes in parent-first order: each
+    parent ROOT or an earlier node (which also rules out cycles). ValueError, where the tree is
+    built: a step never sees a bad one."""
+    if len(parents) > limit:
+        raise ValueError(f"a token tree of {len(parents)} nodes is larger than the limit of "
+                         f"{limit}")
+    for i, p in enumerate(parents):
+        if not (p == ROOT or 0 <= p < i):
+            raise ValueError(f"node {i} of a token tree has parent {p}: a parent must be "
+                             f"{ROOT} (the last committed token) or an earlier node")
+
+
+def tree_paths(parents: list[int]) -> list[list[int]]:
+    """Per node its path from the root: its ancestors' indices, then its own (a chain's node i:
+    [0, 1, ..., i]). Its depth is the path's length; its position the last committed token's
+    plus its depth."""
+    paths: list[list[int]] = []
+    for i, p in enumerate(parents):
+        paths.append([i] if p == ROOT else [*paths[p], i])
+    return paths
+
+
+def is_chain(parents: list[int]) -> bool:
+    return all(p == i - 1 for i, p in enumerate(parents))
 
 
 @dataclass
@@ -68,31 +97,48 @@ class Drafts:
       (prompt lookup, suffix: q(x) = 1 at the draft) and drafts verified by the target's pick
       (greedy, coupled seeded sampling); their rows are allocated but left unset (a step
       mixing both pays for them: at most the size of its target probabilities).
-    Each draft follows the one before it in its sequence (a chain). A token tree fits the same
-    object: a parents tensor ([num_tokens], -1 for the last committed token) where a chain's
-    parents are i - 1, with the same offsets, ids and q rows per node.
+    - `parents` [num_tokens] on the host, per draft its parent in its sequence's token tree:
+      ROOT (-1, the last committed token) or the index of an earlier draft of the same
+      sequence; None: every sequence's drafts are a chain (draft j's parent is j - 1). A draft
+      sits at the position of its last committed token plus its depth (its rotary position)
+      and attends to the committed tokens and its own ancestors only; its K/V is written at
+      the slot of that position plus its index, and the accepted path's K/V move to their
+      positions after verification (`ModelRunner.compact`).
     """
 
     def __init__(self, num_draft_tokens: list[int], token_ids: torch.Tensor,
                  host: list[int] | None = None, draft_probs: torch.Tensor | None = None,
-                 has_q: list[bool] | None = None) -> None:
+                 has_q: list[bool] | None = None, parents: list[int] | None = None) -> None:
         self.num_draft_tokens = list(num_draft_tokens)
         self.offsets = [0, *itertools.accumulate(self.num_draft_tokens)]
         self.token_ids = token_ids
         self.host = host if host is not None else [UNKNOWN] * self.num_tokens
         self.draft_probs = draft_probs
         self.has_q = has_q if has_q is not None else [False] * len(self.num_draft_tokens)
+        if parents is not None:
+            assert len(parents) == self.num_tokens, "a parent per draft"
+            for i in range(len(self.num_draft_tokens)):  # built checked: a bad tree is a bug
+                check_tree(parents[self.offsets[i]:self.offsets[i + 1]])
+            if all(is_chain(parents[a:b]) for a, b in zip(self.offsets, self.offsets[1:])):
+                parents = None  # chains only: the plain layout
+        self.parents = parents
 
     @classmethod
     def gather(cls, per_seq: list[tuple[list[int] | torch.Tensor, torch.Tensor | None]],
-               device: torch.device) -> "Drafts":
+               device: torch.device, trees: list[list[int] | None] | None = None) -> "Drafts":
         """Drafts from each sequence's (ids, q): ids on the host (a list) or on the device
-        ([k] long); q [k, V] where it is read, else None."""
+        ([k] long); q [k, V] where it is read, else None. trees: per sequence its drafts'
+        parents, None for a chain (all None: chains)."""
         num = [len(ids) for ids, _ in per_seq]
         host = [t for ids, _ in per_seq
                 for t in (ids if isinstance(ids, list) else [UNKNOWN] * len(ids))]
+        parents = None
+        if trees is not None and any(t is not None for t in trees):
+            parents = [p for tree, k in zip(trees, num)
+                       for p in (tree if tree is not None else range(-1, k - 1))]
         drafts = cls(num, to_device(host, torch.long, device), host,
-                     has_q=[q is not None and k > 0 for (_, q), k in zip(per_seq, num)])
+                     has_q=[q is not None and k > 0 for (_, q), k in zip(per_seq, num)],
+                     parents=parents)
         held = [(i, ids) for i, (ids, _) in enumerate(per_seq)
                 if isinstance(ids, torch.Tensor) and len(ids)]
         if held:  # the ids only the device holds, into their places
@@ -110,6 +156,14 @@ class Drafts:
     @property
     def num_tokens(self) -> int:
         return self.offsets[-1]
+
+    def parents_of(self, i: int) -> list[int] | None:
+        """Sequence i's token tree (its drafts' parents), or None where its drafts are a
+        chain."""
+        if self.parents is None:
+            return None
+        parents = self.parents[self.offsets[i]:self.offsets[i + 1]]
+        return None if is_chain(parents) else parents
 
     def host_of(self, i: int) -> list[int] | None:
         """Sequence i's drafts on the host, or None where only the device holds them."""

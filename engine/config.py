@@ -48,6 +48,11 @@ class SpeculativeConfig:
     suffix_max_spec_tokens: int = 32  # most drafts of one suffix proposal
     suffix_spec_factor: float = 1.0  # at most this x the match length
     suffix_min_token_prob: float = 0.1  # stop where the continuation's frequency falls below
+    # token trees: a suffix proposal may branch where its earlier occurrences continue
+    # differently (several continuations verified in one forward, the most likely first);
+    # at most this many nodes per sequence and step (0: chains only; at most 64). Requests
+    # verified by rejection sampling, asking for logprobs or under a grammar get chains.
+    tree_max_nodes: int = 16
     # how a seeded sampled request's drafts are verified: "coupled" accepts a draft iff the
     # target's own position-keyed race picks it, so the output is exactly the output without
     # speculation; "rejection" uses rejection sampling for them too (higher acceptance, output
@@ -99,6 +104,9 @@ class SpeculativeConfig:
                              "1..256")
         if not self.suffix_spec_factor > 0:
             raise ValueError("invalid speculative config suffix_spec_factor: must be > 0")
+        if not isinstance(self.tree_max_nodes, int) or not 0 <= self.tree_max_nodes <= 64:
+            raise ValueError(f"invalid speculative config tree_max_nodes: "
+                             f"{self.tree_max_nodes!r}, must be in 0..64 (0: chains only)")
         if not 0.0 <= self.suffix_min_token_prob <= 1.0:
             raise ValueError("invalid speculative config suffix_min_token_prob: must be in "
                              "[0, 1]")

@@ -233,7 +233,9 @@ class LLMEngine:
             [RunItem(s.token_ids, s.start, s.seq.block_table, s.num_sample_rows,
                      s.seq.num_prompt_tokens) for s in out.scheduled], drafts)
         verified = self.verifier.verify(seqs, step.logits, step.row_offsets, drafts, masks)
-        self.speculator.verified(out, step, verified.tokens)
+        if verified.paths is not None:
+            self._compact(out, verified.paths)
+        self.speculator.verified(out, step, verified.tokens, drafts, verified.paths)
         record = StepRecord(step_started, out.num_batched_tokens, len(out.scheduled),
                             [(s.num_drafts, len(t) - 1)
                              for s, t in zip(out.scheduled, verified.tokens) if t],
@@ -243,6 +245,17 @@ class LLMEngine:
         self.speculator.propose(self.scheduler.running, [s for s in changed if s.is_finished],
                                 self._num_joining(), record)
         return [self._output(seq) for seq in changed]
+
+    def _compact(self, out: SchedulerOutput, paths: list[list[int] | None]) -> None:
+        """The accepted paths of the step's token trees: their K/V to the positions after the
+        committed tokens (a node's at its tree position + its index before)."""
+        moves = []
+        for s, path in zip(out.scheduled, paths):
+            first = s.start + len(s.token_ids)  # the slot position of the tree's node 0
+            moves += [(s.seq.block_table, first + node, first + d)
+                      for d, node in enumerate(path or []) if node != d]
+        if moves:
+            self.runner.compact(moves)
 
     def _update(self, out: SchedulerOutput, tokens: list[list[int]],
                 logprobs: list[list | None]) -> list[Sequence]:

@@ -23,7 +23,7 @@ import torch
 
 from engine.attention import paged
 from engine.batch import Drafts, ModelShape, RunItem, StepLogits, StepMeta, input_ids, \
-    num_new_tokens
+    num_new_tokens, tree_paths
 from engine.device_io import to_device
 from engine.models import lean_forward
 
@@ -188,11 +188,18 @@ class ModelRunner:
         positions, slot_mapping, keep, row_offsets = [], [], [], [0]
         spans = []
         bs, q_start = self.block_size, 0
-        for item, n in zip(items, num_new_tokens(items, drafts)):
+        for i, (item, n) in enumerate(zip(items, num_new_tokens(items, drafts))):
             start, end, table = item.start, item.start + n, item.block_table
-            positions += range(start, end)
+            tree = drafts.parents_of(i) if drafts is not None else None
+            if tree is None:
+                positions += range(start, end)
+            else:  # a token tree's node at the last committed token's position + its depth
+                base = start + len(item.token_ids) - 1
+                positions += range(start, base + 1)
+                positions += [base + len(path) for path in tree_paths(tree)]
             slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, end)]
-            spans.append(paged.SeqSpan(q_start, n, end, table, item.prompt_len))
+            spans.append(paged.SeqSpan(q_start, n, end, table, item.prompt_len,
+                                       None if tree is None else tuple(tree)))
             keep += range(q_start + n - item.num_rows, q_start + n)
             row_offsets.append(row_offsets[-1] + item.num_rows)
             q_start += n
@@ -209,6 +216,22 @@ class ModelRunner:
                 self.workers.fail(f"a forward failed on rank 0 ({type(exc).__name__}: {exc})")
             raise
         return StepLogits(logits[0].float(), row_offsets, hidden)
+
+    @torch.inference_mode()
+    def compact(self, moves: list[tuple[list[int], int, int]]) -> None:
+        """After a token tree's verification: each (block table, from, to) copies the K/V at
+        position `from` of that sequence to position `to` in every layer (the accepted path's
+        nodes to the positions after the committed tokens; a node never moves over one still
+        to be moved: a path's nodes only move towards the root)."""
+        if self.workers is not None or self.group is not None:
+            raise RuntimeError("token trees are not verified under tensor parallelism")
+        bs = self.block_size
+        slots = to_device([[t[p // bs] * bs + p % bs for t, p, _ in moves],
+                           [t[p // bs] * bs + p % bs for t, _, p in moves]], torch.long,
+                          self.device)
+        for layer in range(self.shape.num_layers):
+            for flat in self.kv.flat(layer):
+                flat[slots[1]] = flat[slots[0]]
 
     def _tell_workers(self, ids: torch.Tensor, positions: list[int], slot_mapping: list[int],
                       spans: list[paged.SeqSpan]) -> None:

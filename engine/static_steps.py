@@ -78,6 +78,7 @@ class StaticSteps:
     def fits(self, items, drafts=None) -> bool:
         lengths = num_new_tokens(items, drafts)
         return (0 < len(items) <= self.max_seqs
+                and (drafts is None or drafts.parents is None)  # token trees run eagerly
                 and all(0 < n <= self.tokens_per_seq for n in lengths)
                 and all(-(-(it.start + n) // self.runner.block_size) <= self.width
                         for it, n in zip(items, lengths)))

@@ -41,7 +41,8 @@ def test_row_kernel_equals_attention_and_a_row_never_depends_on_the_others(
     out = torch.zeros_like(q)
     rows = torch.tensor([4, 0, 1, 3, 2])
     EXT.paged_attention_rows(out, q, k_cache, v_cache, rows, torch.tensor(pos),
-                             torch.tensor(tables), BS, scale)
+                             torch.tensor(tables), torch.tensor(pos) + 1,
+                             torch.zeros(5, 0, dtype=torch.long), BS, scale)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for r in range(5):
         ref = _reference(q[rows[r]], k_cache, v_cache, tables[r], pos[r], scale)
@@ -49,7 +50,8 @@ def test_row_kernel_equals_attention_and_a_row_never_depends_on_the_others(
         alone = torch.zeros(1, heads, head_dim, dtype=dtype)
         EXT.paged_attention_rows(alone, q[rows[r]][None].contiguous(), k_cache, v_cache,
                                  torch.tensor([0]), torch.tensor([pos[r]]),
-                                 torch.tensor([tables[r]]), BS, scale)
+                                 torch.tensor([tables[r]]), torch.tensor([pos[r] + 1]),
+                                 torch.zeros(1, 0, dtype=torch.long), BS, scale)
         assert torch.equal(alone[0], out[rows[r]])
 
 

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from engine.batch import tree_paths
 from engine.device_io import to_device
 
 _log = logging.getLogger("specserve.engine")
@@ -48,6 +49,36 @@ class SeqSpan:
     ctx_len: int  # tokens it attends to (cached + new)
     block_table: list[int]  # covers at least ctx_len tokens
     prompt_len: int | None = None  # rows at positions >= this are generated tokens
+    # a token tree in the span's last len(parents) rows (engine/batch.py `Drafts.parents`):
+    # `expand_trees` makes each of its nodes a span of its own
+    parents: tuple[int, ...] | None = None
+    # a tree node's span: its keys from ctx_len - len(tree_keys) on are read at these positions
+    # (its ancestors', then its own), those before at their own; ctx_len counts its keys
+    tree_keys: tuple[int, ...] | None = None
+
+
+def expand_trees(spans: list[SeqSpan]) -> list[SeqSpan]:
+    """Each token tree's nodes as one-row spans over their own keys: the committed tokens, then
+    their ancestors and themselves in depth order (a node's row, and its key order, are those
+    of the same path verified as a chain: every backend gives it the chain's bits). A node of
+    depth d sits at the position of the last committed token plus d; its K/V was written at
+    that token's position plus 1 + its index. Spans without a tree pass as they are."""
+    if all(s.parents is None for s in spans):
+        return spans
+    out = []
+    for s in spans:
+        if s.parents is None:
+            out.append(s)
+            continue
+        k = len(s.parents)
+        first = s.ctx_len - k  # the position of the tree's first node's slot
+        if s.q_len > k:  # the committed tokens' rows
+            out.append(SeqSpan(s.q_start, s.q_len - k, first, s.block_table, s.prompt_len))
+        for j, path in enumerate(tree_paths(list(s.parents))):
+            out.append(SeqSpan(s.q_start + s.q_len - k + j, 1, first + len(path),
+                               s.block_table, s.prompt_len,
+                               tree_keys=tuple(first + a for a in path)))
+    return out
 
 
 @dataclass
@@ -69,8 +100,11 @@ class AttentionMetadata:
     #   their places in the flattened [B * q_max] group output): the real, unpadded rows
     long_spans: list[LongSpan] = field(default_factory=list)
     # rows of generated tokens on the CPU row kernel: (rows of the flattened batch [R],
-    # their positions [R], their sequences' block tables [R, blocks], the block size)
-    kernel_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
+    # their positions [R], their sequences' block tables [R, blocks], per row the first key
+    # read through the next tensor [R] (a tree node's; past the row's keys elsewhere), those
+    # keys' positions [R, max tree depth], the block size)
+    kernel_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                       int] | None = None
 
 
 @dataclass(frozen=True)
@@ -136,6 +170,7 @@ class SDPABackend(AttentionBackend):
 
     def build_metadata(self, spans, slot_mapping, block_size, device):
         meta = AttentionMetadata(slot_mapping=to_device(slot_mapping, torch.long, device))
+        spans = expand_trees(spans)
         if self.rows_ext is not None and torch.device(device).type == "cpu":
             spans = self._kernel_rows(meta, spans, block_size)
         short = [s for s in spans if s.q_len <= SHORT_QUERY_MAX]
@@ -150,25 +185,35 @@ class SDPABackend(AttentionBackend):
                      block_size: int) -> list[SeqSpan]:
         """Take the generated tokens' rows out of `spans` for the row kernel; returns what is
         left for SDPA (the prompts' rows)."""
-        rest, rows, positions, tables = [], [], [], []
+        rest, rows, positions, tables, trees = [], [], [], [], []
         for s in spans:
             start = s.ctx_len - s.q_len  # position of the span's first row
             first = s.ctx_len if s.prompt_len is None else min(max(s.prompt_len, start),
                                                                  s.ctx_len)
-            if first > start:  # prompt rows
+            if first > start:  # prompt rows (a tree's nodes are generated tokens)
+                assert s.tree_keys is None, "a token tree's node at a prompt's position"
                 rest.append(SeqSpan(s.q_start, first - start, first, s.block_table))
             for p in range(first, s.ctx_len):
                 rows.append(s.q_start + p - start)
                 positions.append(p)
                 tables.append(s.block_table)
+                trees.append(s.tree_keys or ())
         if rows:
             width = max(len(t) for t in tables)
             padded = np.zeros((len(tables), width), dtype=np.int64)
             for i, t in enumerate(tables):
                 padded[i, :len(t)] = t
+            depth = max(len(t) for t in trees)
+            tree_pos = np.zeros((len(trees), depth), dtype=np.int64)
+            tree_from = np.asarray(positions, dtype=np.int64) + 1
+            for i, t in enumerate(trees):
+                if t:
+                    tree_pos[i, :len(t)] = t
+                    tree_from[i] -= len(t)
             meta.kernel_rows = (torch.as_tensor(rows, dtype=torch.long),
                                 torch.as_tensor(positions, dtype=torch.long),
-                                torch.from_numpy(padded), block_size)
+                                torch.from_numpy(padded), torch.from_numpy(tree_from),
+                                torch.from_numpy(tree_pos), block_size)
         return rest
 
     def _long_span(self, s: SeqSpan, block_size: int, device: torch.device) -> LongSpan:
@@ -196,8 +241,12 @@ class SDPABackend(AttentionBackend):
         q_pos = ctx_len[:, None] - q_len[:, None] + offs  # [B, q_max] absolute positions
         k_pos = torch.arange(kv_max, device=device)  # [kv_max]
         meta.short_q_index = q_start[:, None] + offs
-        tables = _padded_tables(short, kv_max, block_size, device)
-        meta.short_kv_slots = _slots(tables, block_size)[:, :kv_max]
+        if any(s.tree_keys for s in short):  # a tree node reads its ancestors' slots
+            meta.short_kv_slots = to_device(_tree_slots(short, kv_max, block_size),
+                                            torch.long, device)
+        else:
+            tables = _padded_tables(short, kv_max, block_size, device)
+            meta.short_kv_slots = _slots(tables, block_size)[:, :kv_max]
         # causal, and hides padding keys: a key at k_pos >= ctx_len is after every query
         meta.short_mask = (k_pos[None, None, :] <= q_pos[:, :, None])[:, None, :, :]
         meta.short_out = (real[0], real[1])
@@ -246,6 +295,21 @@ def _padded_tables(spans: list[SeqSpan], num_keys: int, block_size: int,
         used = s.block_table[:n]
         tables[i, :len(used)] = used
     return to_device(tables, torch.long, device)
+
+
+def _tree_slots(spans: list[SeqSpan], num_keys: int, block_size: int) -> np.ndarray:
+    """[B, num_keys] each span's keys' cache slots in key order (a tree node's: the committed
+    tokens', then its path's), on the host; keys past a span's are block 0's (masked)."""
+    pos = np.tile(np.arange(num_keys, dtype=np.int64), (len(spans), 1))
+    slots = np.zeros((len(spans), num_keys), dtype=np.int64)
+    for i, s in enumerate(spans):
+        n = min(s.ctx_len, num_keys)
+        if s.tree_keys:
+            pos[i, s.ctx_len - len(s.tree_keys):s.ctx_len] = s.tree_keys
+        table = np.asarray(s.block_table, dtype=np.int64)
+        p = pos[i, :n]
+        slots[i, :n] = table[p // block_size] * block_size + p % block_size
+    return slots
 
 
 def _slots(block_tables: torch.Tensor, block_size: int) -> torch.Tensor:

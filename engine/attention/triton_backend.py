@@ -43,7 +43,7 @@ import os
 import numpy as np
 import torch
 
-from engine.attention.paged import AttentionBackend, AttentionMetadata, SeqSpan
+from engine.attention.paged import AttentionBackend, AttentionMetadata, SeqSpan, expand_trees
 from engine.device_io import to_device
 
 try:
@@ -75,11 +75,13 @@ if triton is not None:
             q_start_ptr, q_len_ptr, ctx_len_ptr, tables_ptr,  # [B], [B], [B], [B, max_blocks]
             part_of_row_ptr, part_first_ptr,  # SPLIT > 0: [T] a row's partial; [P] its offset
             m_part_ptr, l_part_ptr, acc_part_ptr,  # SPLIT > 0: [splits, H] (x D) float32
+            tree_from_ptr, tree_pos_ptr,  # TREE: [B] first key read at [B, W] positions
             num_splits, num_heads, scale,
             stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh, stride_tb,
+            stride_tree,
             GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-            UPCAST: tl.constexpr, SPLIT: tl.constexpr):
+            UPCAST: tl.constexpr, SPLIT: tl.constexpr, TREE: tl.constexpr):
         if SPLIT > 0:  # axis 0: sequence x split (axis 0 has room for 2^31 - 1 programs)
             seq = tl.program_id(0) // num_splits
             split = tl.program_id(0) % num_splits
@@ -109,21 +111,25 @@ if triton is not None:
             hi = tl.max(row_end, 0)  # keys up to the tile's furthest row; the rest mask exactly
             if hi > lo:  # else no row of the tile has a key in this split: nothing to do
                 _attend_tile(q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, part_of_row_ptr,
-                             part_first_ptr, m_part_ptr, l_part_ptr, acc_part_ptr, num_heads,
+                             part_first_ptr, m_part_ptr, l_part_ptr, acc_part_ptr,
+                             tree_from_ptr, tree_pos_ptr, num_heads,
                              scale, stride_qt, stride_qh, stride_kt, stride_kh, stride_ot,
-                             stride_oh, stride_tb, seq, head, split, q_start, ctx_len, offs_m,
-                             row_ok, row_end, lo, hi, GROUP, BLOCK_SIZE, HEAD_DIM, BLOCK_M,
-                             BLOCK_N, IEEE, UPCAST, SPLIT)
+                             stride_oh, stride_tb, stride_tree, seq, head, split, q_start,
+                             ctx_len, offs_m, row_ok, row_end, lo, hi, GROUP, BLOCK_SIZE,
+                             HEAD_DIM, BLOCK_M, BLOCK_N, IEEE, UPCAST, SPLIT, TREE)
 
     @triton.jit
     def _attend_tile(q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, part_of_row_ptr, part_first_ptr,
-                     m_part_ptr, l_part_ptr, acc_part_ptr, num_heads, scale,
-                     stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh,
-                     stride_tb, seq, head, split, q_start, ctx_len, offs_m, row_ok, row_end,
-                     lo, hi, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     IEEE: tl.constexpr, UPCAST: tl.constexpr, SPLIT: tl.constexpr):
-        """One tile's online softmax over keys [lo, hi), each row masked to [lo, row_end)."""
+                     m_part_ptr, l_part_ptr, acc_part_ptr, tree_from_ptr, tree_pos_ptr,
+                     num_heads, scale, stride_qt, stride_qh, stride_kt, stride_kh, stride_ot,
+                     stride_oh, stride_tb, stride_tree, seq, head, split, q_start, ctx_len,
+                     offs_m, row_ok, row_end, lo, hi, GROUP: tl.constexpr,
+                     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+                     SPLIT: tl.constexpr, TREE: tl.constexpr):
+        """One tile's online softmax over keys [lo, hi), each row masked to [lo, row_end).
+        TREE: a token tree's node (a one-row sequence) reads its keys from tree_from on at
+        its path's positions (engine/attention/paged.py `expand_trees`)."""
         kv_head = head // GROUP
         offs_d = tl.arange(0, HEAD_DIM)
         q = tl.load(q_ptr + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh
@@ -136,9 +142,15 @@ if triton is not None:
         for start in range(lo, hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             key_ok = offs_n < ctx_len
-            block = tl.load(tables_ptr + seq * stride_tb + offs_n // BLOCK_SIZE,
+            at = offs_n
+            if TREE:
+                tree_from = tl.load(tree_from_ptr + seq)
+                in_tree = key_ok & (offs_n >= tree_from)
+                at = tl.where(in_tree, tl.load(tree_pos_ptr + seq * stride_tree + offs_n
+                                               - tree_from, mask=in_tree, other=0), offs_n)
+            block = tl.load(tables_ptr + seq * stride_tb + at // BLOCK_SIZE,
                             mask=key_ok, other=0)
-            slots = block.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE
+            slots = block.to(tl.int64) * BLOCK_SIZE + at % BLOCK_SIZE
             k = tl.load(k_ptr + slots[None, :] * stride_kt + kv_head * stride_kh
                         + offs_d[:, None], mask=key_ok[None, :], other=0.0)  # [D, N]
             if UPCAST:
@@ -211,8 +223,10 @@ class TritonMetadata(AttentionMetadata):
 
     def __init__(self, slot_mapping: torch.Tensor, q_start: torch.Tensor, q_len: torch.Tensor,
                  ctx_len: torch.Tensor, block_tables: torch.Tensor, max_q_len: int,
-                 block_size: int, splits: SplitRows | None = None) -> None:
+                 block_size: int, splits: SplitRows | None = None,
+                 tree: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         super().__init__(slot_mapping=slot_mapping)
+        self.tree = tree  # token trees' nodes: ([B] first key read at, [B, W] positions)
         self.q_start, self.q_len, self.ctx_len = q_start, q_len, ctx_len
         self.block_tables = block_tables  # [B, blocks of the longest context] int32
         self.max_q_len = max_q_len  # sizes the grid (known on the host: no sync)
@@ -274,6 +288,7 @@ class TritonBackend(AttentionBackend):
 
     def build_metadata(self, spans: list[SeqSpan], slot_mapping: list[int], block_size: int,
                        device: torch.device) -> TritonMetadata:
+        spans = expand_trees(spans)
         n = len(spans)
         width = max(-(-s.ctx_len // block_size) for s in spans)
         per_seq = np.zeros((3, n), dtype=np.int32)
@@ -285,9 +300,19 @@ class TritonBackend(AttentionBackend):
         seq = to_device(per_seq, torch.int32, device)
         splits = (SplitRows.build(spans, len(slot_mapping), self.kv_split, device)
                   if self.kv_split else None)
+        tree = None
+        if any(s.tree_keys for s in spans):
+            depth = max(len(s.tree_keys or ()) for s in spans)
+            tree_pos = np.zeros((n, 1 + depth), dtype=np.int32)  # column 0: the first key
+            for i, s in enumerate(spans):
+                keys = s.tree_keys or ()
+                tree_pos[i, 0] = s.ctx_len - len(keys)
+                tree_pos[i, 1:1 + len(keys)] = keys
+            both = to_device(tree_pos, torch.int32, device)
+            tree = (both[:, 0].contiguous(), both[:, 1:].contiguous())
         return TritonMetadata(to_device(slot_mapping, torch.long, device), seq[0], seq[1],
                               seq[2], to_device(tables, torch.int32, device),
-                              max(s.q_len for s in spans), block_size, splits)
+                              max(s.q_len for s in spans), block_size, splits, tree)
 
     def forward(self, query, key, value, k_cache, v_cache, meta, scaling):
         # query: [1, heads, T, D]; k_cache/v_cache: [slots, kv_heads, D] (this layer's)
@@ -311,16 +336,18 @@ class TritonBackend(AttentionBackend):
         else:  # the one-split build (the pointers below are never read)
             num_splits, num_parts = 1, 0
             m_part = l_part = acc_part = part_of_row = part_first = out
+        tree = getattr(meta, "tree", None)  # (static steps' metadata have no trees)
+        tree_from, tree_pos = tree if tree is not None else (meta.q_len, meta.block_tables)
         _paged_attention_kernel[(batch * num_splits, num_heads, tiles)](
             q, k_cache, v_cache, out, meta.q_start, meta.q_len, meta.ctx_len,
-            meta.block_tables, part_of_row, part_first, m_part, l_part, acc_part, num_splits,
-            num_heads, scaling,
+            meta.block_tables, part_of_row, part_first, m_part, l_part, acc_part, tree_from,
+            tree_pos, num_splits, num_heads, scaling,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-            out.stride(0), out.stride(1), meta.block_tables.stride(0),
+            out.stride(0), out.stride(1), meta.block_tables.stride(0), tree_pos.stride(0),
             GROUP=num_heads // k_cache.shape[1], BLOCK_SIZE=meta.block_size,
             HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
             IEEE=q.dtype == torch.float32 or INTERPRETED, UPCAST=INTERPRETED,
-            SPLIT=self.kv_split if sp is not None else 0)
+            SPLIT=self.kv_split if sp is not None else 0, TREE=tree is not None)
         if num_parts:
             _combine_splits_kernel[(num_parts, num_heads)](
                 m_part, l_part, acc_part, out, sp.part_row, sp.part_first, sp.part_splits,

@@ -100,10 +100,9 @@ def run(loop, cache, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         capture: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
     """The layers over h [T, hidden]: (h, the last layer's output not yet added or None,
     the stream after each layer of `capture` by index)."""
-    rows, pos, tables, block_size = cache.meta.kernel_rows
     n = loop.num_layers
     wanted = sorted({i for i in capture if 0 <= i < n})
-    h, pending, *after = loop.forward(h, cos, sin, cache.meta.slot_mapping, rows, pos, tables,
-                                      block_size, cache.k[:n], cache.v[:n], wanted)
+    h, pending, *after = loop.forward(h, cos, sin, cache.meta.slot_mapping,
+                                      *cache.meta.kernel_rows, cache.k[:n], cache.v[:n], wanted)
     cache.layer_calls += n
     return h, pending, dict(zip(wanted, after))

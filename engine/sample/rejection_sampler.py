@@ -31,6 +31,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from engine.batch import tree_paths
 from engine.device_io import to_device
 from engine.sample.keys import ACCEPT, restream
 from engine.sample.sampler import exponential_noise, keyed_uniforms
@@ -231,6 +232,76 @@ def _final_noise(shape: tuple[int, int], keys: _Keys, num_accepted: torch.Tensor
         index = to_device([keys.keyed, first], torch.long, device)
         noise[index[0]] = drawn[index[1] + num_accepted[index[0]]]
     return noise
+
+
+class TreeOwners(NamedTuple):
+    """The step's sequences whose drafts are token trees, all verified by pick: per sequence
+    its first target row (its last committed token's; node j's row follows at + 1 + j), its
+    drafts' offset in the flat draft ids, and its parents (engine/batch.py `Drafts.parents`)."""
+
+    first_rows: list[int]
+    draft_offsets: list[int]
+    parents: list[list[int]]
+
+
+def tree_pick(draft_token_ids: torch.Tensor, picks: torch.Tensor,
+              trees: TreeOwners) -> tuple[torch.Tensor, torch.Tensor]:
+    """Verify token trees by pick: from the root, follow the child whose token is the target's
+    own pick at its parent's row; the deepest node so reached (the earliest of equals) is the
+    accepted path's end. Emits the path's tokens and then the pick at its end's row: exactly
+    the tokens plain decoding emits, whatever the tree.
+
+    Returns ([T, D + 1] emitted tokens padded with PLACEHOLDER, D the deepest tree's depth;
+    [T] the accepted path's last node per tree, -1 for none), on the device."""
+    device = picks.device
+    paths = [tree_paths(p) for p in trees.parents]
+    depth = max(len(path) for ps in paths for path in ps)
+    width = 1 + max(len(p) for p in trees.parents)  # candidates: the root, then each node
+    n_nodes = sum(len(p) for p in trees.parents)
+    sentinel = n_nodes  # an index past the nodes: matches, and has no token
+    # host-built indices: per node its parent's row; per (tree, candidate) its row, its path's
+    # nodes (sentinel-padded), its depth and its rank (deeper first, then earlier)
+    parent_rows, node_of = np.zeros(n_nodes, np.int64), np.full((len(paths), width), -1)
+    cand_rows = np.zeros((len(paths), width), np.int64)
+    cand_path = np.full((len(paths), width, depth), sentinel, np.int64)
+    cand_depth = np.zeros((len(paths), width), np.int64)
+    at = 0
+    for t, (first, parents, ps) in enumerate(zip(trees.first_rows, trees.parents, paths)):
+        cand_rows[t, :] = first
+        for j, (parent, path) in enumerate(zip(parents, ps)):
+            parent_rows[at + j] = first if parent < 0 else first + 1 + parent
+            node_of[t, 1 + j] = at + j
+            cand_rows[t, 1 + j] = first + 1 + j
+            cand_path[t, 1 + j, :len(path)] = [at + a for a in path]
+            cand_depth[t, 1 + j] = len(path)
+        at += len(parents)
+    rank = cand_depth * width + (width - np.arange(width))[None, :]  # deeper, then earlier
+    rank[node_of < 0] = -1  # padding: never chosen
+    rank[:, 0] = 0  # the root: chosen when no node is accepted
+    flat_ids = to_device(np.concatenate([_draft_rows(trees), parent_rows]),
+                         torch.long, device)
+    ids = draft_token_ids[flat_ids[:n_nodes]]  # [n_nodes] in tree order
+    matched = torch.cat([ids == picks[flat_ids[n_nodes:]],
+                         torch.ones(1, dtype=torch.bool, device=device)])  # + sentinel
+    grids = to_device(np.stack([cand_rows, rank, cand_depth]), torch.long, device)
+    path_idx = to_device(cand_path, torch.long, device)  # [T, width, depth]
+    accepted = matched[path_idx].all(dim=-1)  # [T, width]: the whole path matched
+    score = torch.where(accepted, grids[1], torch.full_like(grids[1], -1))
+    best = score.argmax(dim=1)  # [T]
+    rows = torch.arange(len(paths), device=device)
+    chosen = path_idx[rows, best]  # [T, depth] the path's nodes (sentinel-padded)
+    tokens = torch.cat([ids, torch.full((1,), PLACEHOLDER, dtype=torch.long, device=device)])
+    out = torch.full((len(paths), depth + 1), PLACEHOLDER, dtype=torch.long, device=device)
+    out[:, :depth] = tokens[chosen]
+    final = picks[grids[0][rows, best]]
+    out.scatter_(1, grids[2][rows, best][:, None], final[:, None])
+    return out, best - 1
+
+
+def _draft_rows(trees: TreeOwners) -> np.ndarray:
+    """The flat draft index of every tree node, in tree order."""
+    return np.concatenate([off + np.arange(len(p), dtype=np.int64)
+                           for off, p in zip(trees.draft_offsets, trees.parents)])
 
 
 def to_lists(emitted: torch.Tensor | list[list[int]]) -> list[list[int]]:

@@ -20,8 +20,9 @@ import numpy as np
 import torch
 
 from engine import device_io
-from engine.batch import Drafts
+from engine.batch import Drafts, tree_paths
 from engine.sample import rejection_sampler, sampler
+from engine.sample.rejection_sampler import TreeOwners
 from engine.sample.row_spec import by_pick, row_spec
 from engine.sequence import Sequence
 
@@ -34,11 +35,14 @@ class GrammarMasks(NamedTuple):
 class Verified(NamedTuple):
     """Per sequence of the step: its emitted tokens (accepted drafts + one sampled token; []
     for a prompt chunk that samples nothing), their logprobs (None unless asked for), and the
-    device mark of the step's end (None on CUDA when nothing was sampled: no read)."""
+    device mark of the step's end (None on CUDA when nothing was sampled: no read); per
+    sequence that verified a token tree, its accepted path's nodes (root first; [] for none),
+    None for the others."""
 
     tokens: list[list[int]]
     logprobs: list[list | None]
     ended: object
+    paths: list[list[int] | None] | None = None
 
 
 class _Owner(NamedTuple):
@@ -92,33 +96,87 @@ class Verifier:
         rows: list[sampler.RowSpec] = []  # each owner's k + 1 rows
         for o in owners:
             host = drafts.host_of(o.index) if o.k else None
-            rows += [row_spec(o.seq, j, host) for j in range(o.k + 1)]
-        emitted = self._emitted(owners, rows, logits, drafts, masks)
+            tree = drafts.parents_of(o.index) if o.k else None
+            if tree is None:
+                rows += [row_spec(o.seq, j, host) for j in range(o.k + 1)]
+            else:  # a node's row follows its path: its position, its history
+                assert host is not None and o.seq.params.logprobs is None, \
+                    "a token tree's drafts are on the host, and no logprobs are asked of it"
+                rows.append(row_spec(o.seq, 0, host))
+                rows += [row_spec(o.seq, len(path), [host[a] for a in path])
+                         for path in tree_paths(tree)]
+        emitted, nodes = self._emitted(owners, rows, logits, drafts, masks)
         lp = self._logprob_tensors(owners, emitted, logits)
         ended = self.marks.mark()
-        host = device_io.lists(emitted, *(lp or (None, None, None)))
+        host = device_io.lists(emitted, nodes, *(lp or (None, None, None)))
         emitted_lists = rejection_sampler.to_lists(host[0])
         for o, toks, lps in zip(owners, emitted_lists,
-                                self._logprobs(owners, emitted_lists, host[1:])):
+                                self._logprobs(owners, emitted_lists, host[2:])):
             tokens[o.index], logprobs[o.index] = toks, lps
-        return Verified(tokens, logprobs, ended)
+        paths: list[list[int] | None] | None = None if nodes is None else [None for _ in seqs]
+        if paths is not None:
+            for o, node in zip(owners, host[1]):
+                tree = drafts.parents_of(o.index) if o.k else None
+                if tree is not None:
+                    paths[o.index] = tree_paths(tree)[node] if node >= 0 else []
+        return Verified(tokens, logprobs, ended, paths)
 
     def _emitted(self, owners: list[_Owner], rows: list[sampler.RowSpec], logits: torch.Tensor,
-                 drafts: Drafts | None, masks: GrammarMasks | None) -> torch.Tensor:
-        """[B, max k + 1] on the device: per owner its emitted tokens, padded with
-        PLACEHOLDER."""
+                 drafts: Drafts | None, masks: GrammarMasks | None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """On the device: [B, max k + 1] per owner its emitted tokens, padded with
+        PLACEHOLDER; and, where some owners verify token trees, [B] each one's accepted path's
+        last node (-1: none; chains' entries unused), else None."""
         allowed = None if masks is None else (masks.rows, masks.allowed.result())
         tensors = sampler.build_sampling_tensors(rows, self.vocab_size, self.device, allowed,
                                                  self.settings)
         processed = sampler.process_logits(logits, tensors)
         if not any(o.k for o in owners):  # no speculation this step: one vectorized draw
-            return sampler.sample(processed, tensors, self.generator)[:, None]
+            return sampler.sample(processed, tensors, self.generator)[:, None], None
         picked = np.array([by_pick(o.seq.params, self.coupled) for o in owners])
         per_row = np.repeat(np.arange(len(owners)), [o.k + 1 for o in owners])  # its owner
         # the target's own pick at every row verified by pick: a keyed race for coupled
         # sampled rows, the argmax for the rest (never read for rows verified by rejection)
         greedy = np.array([o.seq.params.greedy for o in owners])
         picks = sampler.sample(processed, tensors, race=(picked & ~greedy)[per_row].tolist())
+        tree = np.array([drafts.parents_of(o.index) is not None for o in owners])
+        if not tree.any():
+            return self._chains(owners, rows, processed, picks, drafts, picked), None
+        assert picked[tree].all(), "token trees are verified by pick only"
+        chain, trees = np.nonzero(~tree)[0], np.nonzero(tree)[0]
+        tree_out, nodes = rejection_sampler.tree_pick(drafts.token_ids, picks, TreeOwners(
+            [owners[i].first_row for i in trees], [drafts.offsets[owners[i].index]
+                                                   for i in trees],
+            [drafts.parents_of(owners[i].index) for i in trees]))
+        parts = [(trees, tree_out)]
+        if len(chain):  # the chains' own rows, rows and drafts as one smaller step
+            sub = [owners[i] for i in chain]
+            row_idx = np.concatenate([o.first_row + np.arange(o.k + 1) for o in sub])
+            draft_idx = np.concatenate([drafts.offsets[o.index] + np.arange(o.k) for o in sub])
+            index = device_io.to_device(np.concatenate([row_idx, draft_idx]), torch.long,
+                                        self.device)
+            row_t, draft_t = index[:len(row_idx)], index[len(row_idx):]
+            part = Drafts([o.k for o in sub], drafts.token_ids[draft_t],
+                          draft_probs=None if drafts.draft_probs is None
+                          else drafts.draft_probs[draft_t],
+                          has_q=[drafts.has_q[o.index] for o in sub])
+            parts.append((chain, self._chains(
+                [o._replace(index=i) for i, o in enumerate(sub)],
+                [rows[r] for r in row_idx], processed[row_t], picks[row_t], part,
+                picked[chain])))
+        out = torch.full((len(owners), max(t.shape[1] for _, t in parts)),
+                         rejection_sampler.PLACEHOLDER, dtype=torch.long, device=self.device)
+        for which, t in parts:
+            out[device_io.to_device(which, torch.long, self.device), :t.shape[1]] = t
+        node = torch.full((len(owners),), -1, dtype=torch.long, device=self.device)
+        node[device_io.to_device(trees, torch.long, self.device)] = nodes
+        return out, node
+
+    def _chains(self, owners: list[_Owner], rows: list[sampler.RowSpec],
+                processed: torch.Tensor, picks: torch.Tensor, drafts: Drafts,
+                picked: np.ndarray) -> torch.Tensor:
+        """Chains verified by pick or rejection sampling: [B, max k + 1] emitted tokens."""
+        per_row = np.repeat(np.arange(len(owners)), [o.k + 1 for o in owners])
         # rows verified by pick only need their picks, which the processed logits already gave
         target = processed if picked.all() else torch.softmax(processed, dim=-1)
         # seeded sequences verified by rejection: their rows' noise keys (none: no keys)

@@ -53,6 +53,7 @@ class SpecState:
     drafts: list[int] | None = None  # pending drafts on the host (None: none, or `device`)
     device: torch.Tensor | None = None  # [k] pending drafts that only the device holds
     q: torch.Tensor | None = None  # [k, V] their draft probabilities (None: one-hot)
+    parents: list[int] | None = None  # the pending drafts' token tree (None: a chain)
     method: tuple[str, int] | None = None  # (method, suffix match length) of the pending drafts
     acceptance: float | None = None  # the estimate its last drafts were chosen on
     prediction: PredictionMatcher | None = None  # its Predicted Outputs, where it has one
@@ -67,8 +68,9 @@ class NoSpeculation:
     def take(self, out: SchedulerOutput) -> Drafts | None:
         return None
 
-    def verified(self, out: SchedulerOutput, step: StepLogits,
-                 emitted: list[list[int]]) -> None:
+    def verified(self, out: SchedulerOutput, step: StepLogits, emitted: list[list[int]],
+                 drafts: Drafts | None = None, paths: list[list[int] | None] | None = None
+                 ) -> None:
         """The target pass's results: its logits rows and, when the runner captured them, a
         draft head's features (`step.hidden`: `keep_features` gets them); per scheduled
         sequence the tokens it emitted ([] for none)."""
@@ -94,9 +96,11 @@ class Speculator(NoSpeculation):
 
     def __init__(self, config: SpeculativeConfig, proposer: Proposer | None,
                  max_model_len: int, max_num_batched_tokens: int, device: torch.device,
-                 suffix: SuffixCache | None = None) -> None:
-        """device: the target's (where each step's drafts go)."""
+                 suffix: SuffixCache | None = None, trees: bool = True) -> None:
+        """device: the target's (where each step's drafts go); trees: suffix proposals may
+        be token trees (config.tree_max_nodes; not under tensor parallelism)."""
         self.config = config
+        self.tree_nodes = config.tree_max_nodes if trees else 0
         self.device = device
         self.coupled = config.verification == "coupled"
         self.proposer = proposer  # the draft model, a head or prompt lookup; None: suffix only
@@ -123,6 +127,7 @@ class Speculator(NoSpeculation):
                 self._clear(self._states.get(s.seq.request_id))
             return None
         per_seq = []  # (ids on the host or the device, q where rejection sampling reads it)
+        trees = []  # their parents where they are token trees (the first k nodes: a tree)
         for s in out.scheduled:
             seq, k = s.seq, s.num_drafts
             state = self._states.get(seq.request_id) or SpecState()
@@ -130,15 +135,24 @@ class Speculator(NoSpeculation):
                    else (state.drafts or [])[:k])
             read_q = k and state.q is not None and not by_pick(seq.params, self.coupled)
             per_seq.append((ids, state.q[:k] if read_q else None))
+            trees.append(state.parents[:k] if k and state.parents is not None else None)
             self._clear(state)
-        return Drafts.gather(per_seq, self.device)
+        return Drafts.gather(per_seq, self.device, trees)
 
-    def verified(self, out: SchedulerOutput, step: StepLogits,
-                 emitted: list[list[int]]) -> None:
+    def verified(self, out: SchedulerOutput, step: StepLogits, emitted: list[list[int]],
+                 drafts: Drafts | None = None, paths: list[list[int] | None] | None = None
+                 ) -> None:
+        """drafts, paths: the step's drafts and, where they were token trees, each one's
+        accepted path (`Verified.paths`)."""
         super().verified(out, step, emitted)
-        for s, tokens in zip(out.scheduled, emitted):
+        for i, (s, tokens) in enumerate(zip(out.scheduled, emitted)):
             if tokens and s.num_drafts:
-                self._record(s.seq, s.num_drafts, len(tokens) - 1)
+                tree = drafts.parents_of(i) if paths is not None else None
+                # a rejection: the accepted path ends where the proposal went on (a chain:
+                # before its last draft; a tree: at a node with children, or the root)
+                rejected = (len(tokens) - 1 < s.num_drafts if tree is None
+                            else (paths[i][-1] if paths[i] else -1) in tree)
+                self._record(s.seq, s.num_drafts, len(tokens) - 1, rejected)
             elif tokens and s.seq.request_id in self._states:
                 self._states[s.seq.request_id].method = None
 
@@ -194,7 +208,7 @@ class Speculator(NoSpeculation):
     @staticmethod
     def _clear(state: SpecState | None) -> None:
         if state is not None:
-            state.drafts = state.device = state.q = None
+            state.drafts = state.device = state.q = state.parents = None
 
     # -- drafting -----------------------------------------------------------------------------
     def _propose(self, running: list[Sequence], num_joining: int) -> None:
@@ -229,7 +243,8 @@ class Speculator(NoSpeculation):
             self._state(s).acceptance = a
         for s, k, (match, method) in zip(candidates, choice.suffix_ks, matches or []):
             if k:
-                self._set_drafts(s, match.token_ids[:k], None, (method, match.match_length))
+                self._set_drafts(s, match.token_ids[:k], None, (method, match.match_length),
+                                 parents=match.parents[:k] if match.parents else None)
         chosen = [(s, k) for s, k in zip(candidates, choice.draft_ks) if k > 0]
         if chosen:
             self._propose_with(*map(list, zip(*chosen)))
@@ -239,7 +254,9 @@ class Speculator(NoSpeculation):
         """The sequence's free proposal and its method: its suffix match or its prediction's
         continuation, whichever expects more accepted tokens."""
         best, method = SuffixDraft(), "suffix"
-        if self.suffix is not None:
+        if self.suffix is not None and self._tree_ok(seq):
+            best = self.suffix.propose_tree(seq, room, self.tree_nodes)
+        elif self.suffix is not None:
             best = self.suffix.propose(seq, room)
         if seq.params.prediction:
             state = self._state(seq)
@@ -250,6 +267,12 @@ class Speculator(NoSpeculation):
             if sum(own.confidence) > sum(best.confidence):
                 best, method = own, "prediction"
         return best, method
+
+    def _tree_ok(self, seq: Sequence) -> bool:
+        """The sequence's drafts may be a token tree: trees are on, verified by pick (greedy
+        or coupled seeded), no logprobs asked, no grammar."""
+        return (self.tree_nodes > 0 and by_pick(seq.params, self.coupled)
+                and seq.params.logprobs is None and seq.matcher is None)
 
     def _backlog(self, seq: Sequence) -> int:
         """Tokens the proposer must catch up on before it drafts for `seq`."""
@@ -272,9 +295,10 @@ class Speculator(NoSpeculation):
 
     def _set_drafts(self, seq: Sequence, drafts: list[int] | None, q: torch.Tensor | None,
                     method: tuple[str, int], device: torch.Tensor | None = None,
-                    k: int | None = None) -> None:
+                    k: int | None = None, parents: list[int] | None = None) -> None:
         """drafts: on the host, or None where `device` ([k]) holds them (never for a
-        sequence under a grammar: the proposer reads those)."""
+        sequence under a grammar: the proposer reads those); parents: their token tree (on
+        the host; never under a grammar), None for a chain."""
         if seq.matcher is not None and drafts:  # structured output: drafts the grammar
             valid = seq.matcher.validate_tokens(list(drafts))  # allows, to the first not
             drafts, q = drafts[:valid], (None if q is None else q[:valid])
@@ -284,6 +308,7 @@ class Speculator(NoSpeculation):
         state.drafts = list(drafts) if drafts is not None else None
         state.device = device if k else None
         state.q = q if k else None
+        state.parents = parents if k else None
         state.method = method
 
     def _room(self, seq: Sequence) -> int:
@@ -294,23 +319,24 @@ class Speculator(NoSpeculation):
         return max(room, 0)
 
     # -- verification -------------------------------------------------------------------------
-    def _record(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
+    def _record(self, seq: Sequence, num_drafted: int, num_accepted: int,
+                rejected: bool) -> None:
         state = self._state(seq)
         method, match_length = state.method or (self.method, 0)
         state.method = None
         seq.num_drafted_tokens += num_drafted
         seq.num_accepted_tokens += num_accepted
-        seq.num_spec_rejections += num_accepted < num_drafted
+        seq.num_spec_rejections += rejected
         counts = seq.spec_methods.setdefault(method, [0, 0, 0])
         counts[0] += num_drafted
         counts[1] += num_accepted
-        counts[2] += num_accepted < num_drafted
+        counts[2] += rejected
         self.stats.record_verification(num_drafted, num_accepted, method)
         if method == "prediction":  # the request's own prediction, its own acceptance
             state.prediction.record(num_drafted, num_accepted)
             return
         if method == "suffix":  # the suffix cache calibrates its own confidences
-            self.suffix.record(seq, match_length, num_drafted, num_accepted)
+            self.suffix.record(seq, match_length, num_drafted, num_accepted, rejected)
             return
         self.guard.verification(num_drafted, num_accepted, state.acceptance)
 
@@ -349,7 +375,7 @@ def build_speculator(config: EngineConfig, plan: RunnerPlan, target: ModelRunner
                              spec_factor=speculative.suffix_spec_factor,
                              min_token_prob=speculative.suffix_min_token_prob)
     speculator = Speculator(speculative, proposer, max_model_len, config.max_num_batched_tokens,
-                            target.device, suffix)
+                            target.device, suffix, trees=target.group is None)
     if speculative.adaptive and speculative.calibrate:
         calibrate(speculator.guard.controller, block_manager, target,
                   proposer if speculative.uses_head else getattr(proposer, "runner", None))

@@ -34,6 +34,8 @@ so a tenant within its fair share is never evicted by another's traffic. With
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
@@ -57,6 +59,9 @@ class SuffixDraft:
     token_ids: list[int] = field(default_factory=list)
     confidence: list[float] = field(default_factory=list)
     match_length: int = 0
+    # a token tree (`propose_tree`): each token's parent (-1: the last committed token), the
+    # nodes in order of confidence, so that the first k of them are a tree too; None: a chain
+    parents: list[int] | None = None
 
 
 class _Document:
@@ -248,6 +253,53 @@ class SuffixCache:
         return self._continuation(cands, cap, part.acceptance[cls].estimate(self.prior(cls)),
                                   SuffixDraft(match_length=best))
 
+    def propose_tree(self, seq: Sequence, max_depth: int, max_nodes: int) -> SuffixDraft:
+        """The continuations of the sequence's longest recent match as a token tree of at most
+        `max_nodes` nodes and `max_depth` levels: every next token of the candidates whose
+        path frequency stays above min_token_prob, the most confident first (a chain where
+        one continuation dominates). A node's confidence is its path's frequency times the
+        match class's acceptance per level, like a chain's position (call `sync` first)."""
+        doc_id = self._doc_of.get(seq.request_id)
+        if doc_id is None or max_depth <= 0 or max_nodes <= 0:
+            return SuffixDraft()
+        part = self._partitions[self._docs[doc_id].salt]
+        found = self._matches(part, self._docs[doc_id].tokens)
+        if not found:
+            return SuffixDraft()
+        best = max(f[0] for f in found)
+        for _, other, _, _ in found:
+            if other in part.history:
+                part.history.move_to_end(other)
+        cap = min(max_depth, self.max_spec_tokens, max(1, int(self.spec_factor * best)))
+        cls = match_class(best)
+        acceptance = part.acceptance[cls].estimate(self.prior(cls))
+        draft = SuffixDraft(match_length=best, parents=[])
+        # best first: (-confidence, order, parent, token, its path frequency, depth, candidates)
+        heap: list = []
+        order = itertools.count()
+
+        def expand(parent: int, cands: list, prob: float, depth: int) -> None:
+            if depth >= cap:
+                return
+            counts: dict[int, list] = {}
+            for toks, pos in cands:
+                if pos < len(toks):
+                    counts.setdefault(toks[pos], []).append((toks, pos + 1))
+            for token, follow in counts.items():  # insertion order: ties -> the most recent
+                p = prob * len(follow) / len(cands)
+                if p >= self.min_token_prob:
+                    heapq.heappush(heap, (-p * acceptance ** (depth + 1), next(order), parent,
+                                          token, p, depth + 1, follow))
+
+        expand(-1, [(toks, pos) for m, _, toks, pos in found if m == best], 1.0, 0)
+        while heap and len(draft.token_ids) < max_nodes:
+            conf, _, parent, token, p, depth, follow = heapq.heappop(heap)
+            draft.token_ids.append(token)
+            draft.confidence.append(-conf)
+            draft.parents.append(parent)
+            expand(len(draft.token_ids) - 1, follow, p, depth)
+        return draft
+
     def _matches(self, part, ctx: list[int]) -> list[tuple[int, int, list[int], int]]:
         """(match length, doc id, its tokens, the position after the match) of every earlier
         occurrence of ctx's end at the longest anchor that has one, most recent first."""
@@ -296,9 +348,10 @@ class SuffixCache:
                      if pos < len(toks) and toks[pos] == token]
         return draft
 
-    def record(self, seq: Sequence, match_length: int, num_drafted: int,
-               num_accepted: int) -> None:
-        """A verification of a suffix proposal: feeds the acceptance of its match class."""
+    def record(self, seq: Sequence, match_length: int, num_drafted: int, num_accepted: int,
+               rejected: bool) -> None:
+        """A verification of a suffix proposal: feeds the acceptance of its match class
+        (rejected: the accepted path ended where the proposal went on)."""
         doc_id = self._doc_of.get(seq.request_id)
         if doc_id is None or not num_drafted:
             return
@@ -308,4 +361,4 @@ class SuffixCache:
             st.rejections *= self.decay
         st = part.acceptance[match_class(match_length)]
         st.accepted += num_accepted
-        st.rejections += num_accepted < num_drafted
+        st.rejections += rejected

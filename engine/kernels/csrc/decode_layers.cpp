@@ -24,8 +24,8 @@ using AddNormFn = std::vector<Tensor> (*)(Tensor, Tensor, Tensor, double);
 using NormFn = Tensor (*)(Tensor, Tensor, double);
 using SiluFn = Tensor (*)(Tensor, Tensor);
 using RotaryFn = void (*)(Tensor, Tensor, Tensor, int64_t);
-using AttentionFn = void (*)(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, int64_t,
-                             double);
+using AttentionFn = void (*)(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                             Tensor, int64_t, double);
 
 struct Linear {  // an Int4Linear's VNNI buffers; bias empty where it has none
   Tensor codes, scale, offset, bias;
@@ -63,12 +63,14 @@ class DecodeLayers {
   }
 
   // h [T, hidden] (the residual stream), cos and sin [T, head_dim], slots [T] (where each row's
-  // K/V is written), rows/pos/tables: the attention row kernel's metadata, k and v: each
+  // K/V is written), rows/pos/tables/tree_from/tree_pos: the attention row kernel's metadata
+  // (paged_attention.cpp), k and v: each
   // layer's cache [blocks, block_size, kv heads, head_dim]. Returns [h, pending] (the last
   // layer's output not yet added to h) and h with every output added after each layer of
   // `capture`, in its order.
   std::vector<Tensor> forward(Tensor h, Tensor cos, Tensor sin, Tensor slots, Tensor rows,
-                              Tensor pos, Tensor tables, int64_t block_size,
+                              Tensor pos, Tensor tables, Tensor tree_from, Tensor tree_pos,
+                              int64_t block_size,
                               const std::vector<Tensor>& k, const std::vector<Tensor>& v,
                               const std::vector<int64_t>& capture) {
     TORCH_CHECK(k.size() == layers_.size() && v.size() == layers_.size(), "a cache per layer");
@@ -88,7 +90,7 @@ class DecodeLayers {
       vc.index_copy_(0, slots, value.view({T, kv_heads_, head_dim_}));
       Tensor qc = q.contiguous().view({T, heads_, head_dim_});
       Tensor o = torch::empty_like(qc);
-      attention_(o, qc, kc, vc, rows, pos, tables, block_size, scaling_);
+      attention_(o, qc, kc, vc, rows, pos, tables, tree_from, tree_pos, block_size, scaling_);
       pending = L.o(int4_, o.view({T, qd}));
       x = norm(h, pending, L.post_norm);
       Tensor gate_up = L.gate_up(int4_, x);
