@@ -4,8 +4,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.specserve-installed
 PYTEST_ARGS ?=
 
-.PHONY: install test serve bench-engine bench-spec bench-methods bench-predicted bench-eagle \
-	bench-server bench-tp bench-llamacpp wheelhouse gpu-check clean
+.PHONY: install test serve bench-engine bench-spec bench-methods bench-trees bench-predicted \
+	bench-eagle bench-server bench-tp bench-llamacpp wheelhouse gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -38,6 +38,11 @@ bench-spec: install
 bench-methods: install
 	$(VENV)/bin/specserve models fetch qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct
 	$(PY) bench/spec_methods.py
+
+# Token trees against chains: plain, suffix and hybrid with chains only and with trees.
+bench-trees: install
+	$(VENV)/bin/specserve models fetch qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct
+	$(PY) bench/spec_methods.py --trees
 
 # OpenAI's Predicted Outputs on whole-file code edits: plain, hybrid, hybrid + prediction
 # (bench/prompts/predicted_outputs/; about 25-30 minutes on 2 cores).

@@ -93,7 +93,7 @@ class Run:
         """method -> (drafted, accepted), summed over the requests."""
         by: dict[str, tuple[int, int]] = {}
         for o in self.outputs:
-            for m, (d, a) in o.spec_methods.items():
+            for m, (d, a, *_) in o.spec_methods.items():
                 by[m] = (by.get(m, (0, 0))[0] + d, by.get(m, (0, 0))[1] + a)
         return by
 

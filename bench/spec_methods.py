@@ -59,6 +59,8 @@ TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
 METHODS = ("plain", "draft_model", "ngram", "suffix", "hybrid")
 # with --speculator: the draft head alone, and hybrid with the head as its model source
 EAGLE_METHODS = ("plain", "draft_model", "eagle", "hybrid_eagle")
+# with --trees: suffix and hybrid with chains only (tree_max_nodes 0) and with token trees
+TREE_METHODS = ("plain", "suffix_chain", "suffix", "hybrid_chain", "hybrid")
 
 
 def load_prompts(tok, path):
@@ -67,13 +69,40 @@ def load_prompts(tok, path):
                                     return_dict=False) for r in rows]
 
 
+def tree_result(rates: dict, accept_len: dict) -> str:
+    """Trees against chains: per workload at c=1 and c=8, suffix's and hybrid's tokens/s with
+    trees over with chains only; the suffix drafts' tokens per verification with trees and
+    with chains (over all cases); the worst tree method against plain."""
+    parts = []
+    for w in ("chat", "code_edit", "repeated", "chat_t0.7"):
+        for c in (1, 8):
+            for m in ("suffix", "hybrid"):
+                if (m, w, c) in rates:
+                    parts.append(f"tree_vs_chain_{m}_{w}_c{c}="
+                                 f"{rates[m, w, c] / rates[m + '_chain', w, c]:.2f}")
+
+    def mean_len(method):
+        lens = [v for (e, m, _, _), v in accept_len.items() if e == method and m == "suffix"]
+        return sum(lens) / len(lens) if lens else 0.0
+
+    worst = min(rates[m, w, c] / rates["plain", w, c] for (m, w, c) in rates
+                if m in ("suffix", "hybrid"))
+    parts += [f"tree_accept_len_suffix={mean_len('suffix'):.2f}",
+              f"chain_accept_len_suffix={mean_len('suffix_chain'):.2f}",
+              f"worst_tree_vs_plain={worst:.2f}"]
+    return " ".join(parts)
+
+
 def make_engine(method, target, draft, tok, k_max, draft_vocab_size, speculator=None):
     heads = method in ("eagle", "hybrid_eagle")
+    chains = method.endswith("_chain")
+    method = method.removesuffix("_chain")
     spec = SpeculativeConfig(method={"plain": "none", "hybrid_eagle": "hybrid"}.get(method,
                                                                                    method),
                              draft_model=DRAFT if method in ("draft_model", "hybrid") else None,
                              speculator=speculator if heads else None,
-                             k_max=k_max, adaptive=True, draft_vocab_size=draft_vocab_size)
+                             k_max=k_max, adaptive=True, draft_vocab_size=draft_vocab_size,
+                             **({"tree_max_nodes": 0} if chains else {}))
     uses_draft = method in ("draft_model", "hybrid")
     return LLMEngine(EngineConfig(kv_cache_memory_gb=1.5, max_num_seqs=32,
                                   max_num_batched_tokens=512, speculative=spec),
@@ -192,14 +221,20 @@ def main() -> int:
     parser.add_argument("--speculator", default=None,
                         help="a draft head for the target (specserve speculator train): run "
                              "plain, draft_model, eagle and hybrid with the head instead")
+    parser.add_argument("--trees", action="store_true",
+                        help="plain, suffix and hybrid with chains only and with token trees "
+                             "(tree_max_nodes 0 and the default)")
     parser.add_argument("--out", default=None,
                         help="results file (default bench/results/spec_methods.md, "
-                             "spec_methods_eagle.md with --speculator)")
+                             "spec_methods_eagle.md with --speculator, spec_methods_trees.md "
+                             "with --trees)")
     args = parser.parse_args()
     default_out = str(ROOT / "bench/results" / ("spec_methods_eagle.md" if args.speculator
+                                                else "spec_methods_trees.md" if args.trees
                                                 else "spec_methods.md"))
     args.out = args.out or default_out
-    methods_run = EAGLE_METHODS if args.speculator else METHODS
+    methods_run = EAGLE_METHODS if args.speculator else TREE_METHODS if args.trees \
+        else METHODS
     target, tok, form, draft = load_pair(args)
     chat = load_prompts(tok, ROOT / "bench/prompts/chat.jsonl")
     edit = load_prompts(tok, ROOT / "bench/prompts/code_edit.jsonl")
@@ -339,6 +374,8 @@ def main() -> int:
                   f"eagle_head_cost={head_cost[0] / head_cost[1]:.3f} "
                   f"eagle_accept_len={eagle_stats:.2f} "
                   f"worst_hybrid_vs_plain={worst:.2f} worst_any_vs_plain={worst_any:.2f}")
+    elif args.trees:
+        result = "RESULT " + tree_result(rates, accept_len)
     else:
         result = (f"RESULT code_edit_hybrid={rates['hybrid', 'code_edit', 1] / rates['plain', 'code_edit', 1]:.2f} "
                   f"repeated_hybrid={rates['hybrid', 'repeated', 1] / rates['plain', 'repeated', 1]:.2f} "

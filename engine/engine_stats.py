@@ -55,6 +55,8 @@ class EngineStats:
     num_drafts: int = 0
     by_method: dict[str, tuple[int, int]] = field(default_factory=dict)  # drafted, accepted
     suffix_cache_tokens: int = 0
+    tree_verifications: int = 0  # verifications of token trees
+    tree_nodes: int = 0  # ... and their nodes
     accepted_per_pos: list[int] = field(default_factory=list)
     # tokens emitted by each verification with drafts since the previous snapshot
     recent_lengths: list[int] = field(default_factory=list)
@@ -97,6 +99,7 @@ def snapshot(engine) -> EngineStats:
         stats.mean_k, stats.num_drafts = st.last_mean_k, st.num_drafts
         stats.by_method = {m: (c[1], c[2]) for m, c in st.by_method.items()}
         stats.suffix_cache_tokens = st.suffix_cache_tokens
+        stats.tree_verifications, stats.tree_nodes = st.num_tree_verifications, st.num_tree_nodes
         stats.accepted_per_pos = list(st.accepted_per_pos)
         stats.recent_lengths = st.take_recent_lengths()
     return stats

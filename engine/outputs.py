@@ -24,8 +24,9 @@ class RequestOutput:
     metrics: dict[str, float] = field(default_factory=dict)
     num_drafted_tokens: int = 0  # speculation: draft tokens verified for this request
     num_accepted_tokens: int = 0  # ... and accepted
-    # per speculation method ("draft_model", "suffix", "ngram"): (drafted, accepted)
-    spec_methods: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # per speculation method ("draft_model", "suffix", "ngram"): (drafted, accepted,
+    # verifications of token trees, their nodes)
+    spec_methods: dict[str, tuple[int, int, int, int]] = field(default_factory=dict)
 
 
 def request_output(seq: Sequence, num_emitted: int) -> RequestOutput:
@@ -37,7 +38,7 @@ def request_output(seq: Sequence, num_emitted: int) -> RequestOutput:
         finish_reason=seq.finish_reason, num_cached_tokens=seq.num_cached_tokens,
         logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
         num_drafted_tokens=seq.num_drafted_tokens, num_accepted_tokens=seq.num_accepted_tokens,
-        spec_methods={m: (c[0], c[1]) for m, c in seq.spec_methods.items()},
+        spec_methods={m: (c[0], c[1], c[3], c[4]) for m, c in seq.spec_methods.items()},
         metrics={"arrival_time": seq.arrival_time,
                  "first_scheduled_time": seq.first_scheduled_time or 0.0,
                  "first_token_time": seq.first_token_time or 0.0,

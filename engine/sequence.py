@@ -39,7 +39,8 @@ class Sequence:
         self.num_drafted_tokens = 0
         self.num_accepted_tokens = 0
         self.num_spec_rejections = 0  # verifications that ended in a rejection
-        # per speculation method: [drafted, accepted, verifications ending in a rejection]
+        # per speculation method: [drafted, accepted, verifications ending in a rejection,
+        # verifications of token trees, their nodes]
         self.spec_methods: dict[str, list[int]] = {}
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of full committed blocks

@@ -45,7 +45,7 @@ class StreamOutput:
     num_cached_tokens: int = 0
     num_drafted_tokens: int = 0
     num_accepted_tokens: int = 0
-    spec_methods: dict[str, tuple[int, int]] = field(default_factory=dict)
+    spec_methods: dict[str, tuple[int, int, int, int]] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
 
     @classmethod

@@ -72,7 +72,8 @@ class ChoiceState:
     num_cached_tokens: int = 0  # prompt tokens the prefix cache served (the engine's count)
     drafted: int = 0
     accepted: int = 0
-    spec_methods: dict = field(default_factory=dict)  # method -> (drafted, accepted)
+    # method -> (drafted, accepted, token-tree verifications, their nodes)
+    spec_methods: dict = field(default_factory=dict)
     finish_reason: str | None = None
     text: str = ""  # the content: without the tool calls
     entries: list = field(default_factory=list)  # (token id, logprobs) of every token

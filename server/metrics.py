@@ -20,6 +20,8 @@ PromQL (the Grafana dashboard uses these):
 - acceptance by position j: sum by (position) (rate(
                               specserve:spec_decode_num_accepted_tokens_per_pos_total[5m]))
                             / scalar(sum(rate(specserve:spec_decode_num_drafts_total[5m])))
+- mean token-tree size:     rate(specserve:spec_decode_num_tree_nodes_total[5m])
+                            / rate(specserve:spec_decode_num_tree_verifications_total[5m])
 - p50/p95/p99 latencies:    histogram_quantile(0.95, sum by (le) (rate(
                               specserve:time_to_first_token_seconds_bucket[5m])))
                             (likewise inter_token_latency_seconds, e2e_request_latency_seconds,
@@ -66,6 +68,10 @@ class Metrics:
                                          ["method"])
         self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted",
                                      ["method"])
+        self.spec_tree_verifications = counter("spec_decode_num_tree_verifications",
+                                               "Verifications whose drafts were a token tree")
+        self.spec_tree_nodes = counter("spec_decode_num_tree_nodes",
+                                       "Draft tokens verified in token trees (their nodes)")
         self.spec_accepted_pos = counter("spec_decode_num_accepted_tokens_per_pos",
                                          "Draft tokens accepted at each draft position",
                                          ["position"])
@@ -135,6 +141,9 @@ class Metrics:
             self._mirror(f"draft_tokens:{method}", self.spec_draft_tokens.labels(method), drafted)
             self._mirror(f"accepted:{method}", self.spec_accepted.labels(method), accepted)
         self.suffix_cache_tokens.set(stats.suffix_cache_tokens)
+        self._mirror("tree_verifications", self.spec_tree_verifications,
+                     stats.tree_verifications)
+        self._mirror("tree_nodes", self.spec_tree_nodes, stats.tree_nodes)
         for pos, count in enumerate(stats.accepted_per_pos):
             self._mirror(f"pos{pos}", self.spec_accepted_pos.labels(str(pos)), count)
         for length in stats.recent_lengths:

@@ -43,14 +43,23 @@ def usage(prompt_len: int, choices: list[ChoiceState],
     drafted = sum(c.drafted for c in choices)
     if drafted:
         methods: dict[str, dict[str, int]] = {}
+        trees = [0, 0]  # token-tree verifications, their nodes (drafted tokens)
         for c in choices:
-            for method, (d, a) in c.spec_methods.items():
+            for method, (d, a, tv, tn) in c.spec_methods.items():
                 m = methods.setdefault(method, {"drafted_tokens": 0, "accepted_tokens": 0})
                 m["drafted_tokens"] += d
                 m["accepted_tokens"] += a
+                if tv:
+                    m["tree_verifications"] = m.get("tree_verifications", 0) + tv
+                    m["tree_drafted_tokens"] = m.get("tree_drafted_tokens", 0) + tn
+                    trees[0] += tv
+                    trees[1] += tn
         body["speculative"] = {"drafted_tokens": drafted,
                                "accepted_tokens": sum(c.accepted for c in choices),
                                "methods": methods}
+        if trees[0]:  # drafts verified as token trees: how many, and their nodes
+            body["speculative"]["tree_verifications"] = trees[0]
+            body["speculative"]["tree_drafted_tokens"] = trees[1]
     return body
 
 

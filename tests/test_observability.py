@@ -104,7 +104,8 @@ METRICS = [
     "specserve:request_queue_time_seconds_bucket", "specserve:spec_decode_accepted_length_bucket",
     "specserve:num_requests_running", "specserve:num_requests_waiting",
     "specserve:kv_cache_usage_perc", "specserve:spec_decode_k", "specserve:model_info",
-    "specserve:spec_decode_suffix_cache_tokens",
+    "specserve:spec_decode_suffix_cache_tokens", "specserve:spec_decode_num_tree_verifications_total",
+    "specserve:spec_decode_num_tree_nodes_total",
 ]
 
 

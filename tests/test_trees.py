@@ -1,12 +1,16 @@
 """Token trees in the engine: suffix proposals that branch, verified by pick in one forward,
 the accepted path's K/V moved into place: output and cache exactly plain decoding's."""
 
+import time
+
+import numpy as np
 import pytest
 import torch
 from conftest import build_tiny_model, make_engine, random_prompts, staggered
 
 from engine import SamplingParams
 from engine.batch import tree_paths
+from engine.sample.keys import noise_key
 from engine.sequence import Sequence
 from engine.spec_decode.suffix import SuffixCache
 
@@ -89,10 +93,12 @@ def test_a_tree_whose_right_branch_is_accepted_gives_plain_output_and_plain_kv(d
     engine.abort(seq.request_id), plain.abort(rid)
 
 
-@pytest.mark.parametrize("method", ["suffix", "hybrid"])
-def test_greedy_and_seeded_with_trees_equal_plain_batched(method):
+@pytest.mark.parametrize("method,num_blocks", [("suffix", 256), ("hybrid", 256),
+                                               ("suffix", 20)])
+def test_greedy_and_seeded_with_trees_equal_plain_batched(method, num_blocks):
     """A staggered batch whose texts repeat with variations (an agent loop editing its own
-    output): trees beside chains and plain rows, greedy and coupled seeded requests."""
+    output): trees beside chains and plain rows, greedy and coupled seeded requests, prefix
+    cache hits (the repeats) and, with few blocks, preemptions."""
     target = build_tiny_model("qwen2", dtype=torch.bfloat16)
     base = random_prompts([14, 9, 20, 6], seed=21)
     variants = [b[:len(b) // 2] + [(t * 3) % 300 + 5 for t in b[len(b) // 2:]] for b in base]
@@ -104,7 +110,8 @@ def test_greedy_and_seeded_with_trees_equal_plain_batched(method):
     plain = staggered(make_engine(target), prompts, params)
     draft = build_tiny_model("qwen2", seed=1, dtype=torch.bfloat16) if method == "hybrid" \
         else None
-    engine = make_engine(target, method, draft, max_num_seqs=8, tree_max_nodes=16)
+    engine = make_engine(target, method, draft, max_num_seqs=8, tree_max_nodes=16,
+                         num_blocks=num_blocks, block_size=8)
     trees = []
     verify = engine.verifier.verify
 
@@ -118,3 +125,104 @@ def test_greedy_and_seeded_with_trees_equal_plain_batched(method):
     assert [o.output_token_ids for o in spec] == [o.output_token_ids for o in plain]
     assert trees and any(trees)  # trees were verified, and paths through them accepted
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert (engine.scheduler.stats.num_preemptions > 0) == (num_blocks < 100)
+
+
+# -- tree_verify: the verification of trees, a pure function --------------------------------
+TOKENS, TREE = [2, 4, 1, 3, 5], [-1, -1, 0, 0, 1]  # root: 2, 4; under 2: 1, 3; under 4: 5
+
+
+def _verify(n, probs, by_pick=False, keys=None, generator=None, picks=None):
+    """n copies of TREE over `probs` ([1 + nodes, V] rows: the root's, then each node's)."""
+    from engine.sample.rejection_sampler import TreeOwners, tree_verify
+
+    rows = len(TREE) + 1
+    ids = torch.tensor(TOKENS * n)
+    target = probs.repeat(n, 1)
+    picks = target.argmax(dim=-1) if picks is None else picks.repeat(n)
+    trees = TreeOwners([i * rows for i in range(n)], [i * len(TREE) for i in range(n)],
+                       [TREE] * n, [by_pick] * n, keys if keys is not None else [None] * n)
+    return tree_verify(ids, picks, None if by_pick else target, trees, generator)
+
+
+def test_tree_by_pick_follows_the_targets_picks_to_any_branch():
+    from engine.sample.rejection_sampler import PLACEHOLDER
+
+    picks = torch.tensor([4, 0, 5, 0, 0, 7])  # root picks 4 (node 1), node 1 picks 5 (node 4)
+    out, node = _verify(1, torch.zeros(6, 8), by_pick=True, picks=picks)
+    assert out.tolist() == [[4, 5, 7]] and node.tolist() == [4]
+    picks = torch.tensor([2, 3, 0, 0, 6, 0])  # 2 (node 0), then 3 (node 3), then its pick 6
+    out, node = _verify(1, torch.zeros(6, 8), by_pick=True, picks=picks)
+    assert out.tolist() == [[2, 3, 6]] and node.tolist() == [3]
+    picks = torch.tensor([7, 0, 0, 0, 0, 0])  # nothing matches: the root's pick alone
+    out, node = _verify(1, torch.zeros(6, 8), by_pick=True, picks=picks)
+    assert out.tolist() == [[7, PLACEHOLDER, PLACEHOLDER]] and node.tolist() == [-1]
+
+
+def test_tree_rejection_sampling_keeps_the_targets_distribution():
+    """Every emitted position has the target's distribution given the tokens before it:
+    the first token ~ p(root), the second after 2 ~ p(node 0), after 4 ~ p(node 1), the third
+    after 2, 1 ~ p(node 2); chi-square goodness of fit over 40,000 draws."""
+    from scipy import stats
+
+    g = torch.Generator().manual_seed(0)
+    probs = torch.softmax(torch.randn(6, 8, generator=g) * 1.5, dim=-1)
+    n = 40000
+    out, _ = _verify(n, probs, generator=torch.Generator().manual_seed(1))
+    out = out.numpy()
+
+    def check(draws, p):
+        counts = np.bincount(draws, minlength=8)
+        expected = p.double().numpy()
+        assert stats.chisquare(counts, expected / expected.sum() * len(draws)).pvalue > 1e-3
+
+    check(out[:, 0], probs[0])
+    check(out[out[:, 0] == 2, 1], probs[1])
+    check(out[out[:, 0] == 4, 1], probs[2])
+    check(out[(out[:, 0] == 2) & (out[:, 1] == 1), 2], probs[3])
+    assert (out[:, 1] >= 0).mean() > 0.2  # the tree was accepted often enough to test
+
+
+def test_seeded_tree_rejection_is_reproducible_and_keyed():
+    probs = torch.softmax(torch.randn(6, 8, generator=torch.Generator().manual_seed(2)), -1)
+    keys = [[noise_key(7, p) for p in (10, 11, 11, 12, 12, 12)]] * 2
+    a, _ = _verify(2, probs, keys=keys, generator=torch.Generator().manual_seed(3))
+    b, _ = _verify(2, probs, keys=keys, generator=torch.Generator().manual_seed(4))
+    assert torch.equal(a, b) and torch.equal(a[0], a[1])  # the keys decide, not the generator
+
+
+def test_server_reports_token_trees_in_usage_and_metrics(tmp_path):
+    """The official client: seeded sampled answers to one prompt differ, so a later request's
+    suffix proposals branch; usage and /metrics count the trees and their nodes."""
+    import httpx
+    import openai
+    from server_utils import ServerProcess, save_tiny_model
+
+    model = save_tiny_model(tmp_path / "tiny")
+    cfg = tmp_path / "trees.yaml"
+    cfg.write_text(f"engine:\n  model: {model}\n  device: cpu\n  num_threads: 1\n"
+                   f"  speculative:\n    method: suffix\n    adaptive: false\n"
+                   f"    tree_max_nodes: 16\n")
+    srv = ServerProcess(["--config", str(cfg), "--served-model-name", "tiny"]).wait_ready()
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+        trees = {"tree_verifications": 0, "tree_drafted_tokens": 0}
+        for seed in range(8):
+            out = client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "the lazy dog jumps"}],
+                temperature=0.8, seed=seed, max_tokens=40, extra_body={"ignore_eos": True})
+            spec = (out.usage.model_extra or {}).get("speculative") or {}
+            for key in trees:
+                trees[key] += spec.get(key, 0)
+        assert trees["tree_verifications"] > 0
+        assert trees["tree_drafted_tokens"] > trees["tree_verifications"]  # they branched
+        time.sleep(1.5)  # the idle refresh publishes the last step's counts
+        text = httpx.get(srv.url + "/metrics").text
+        counted = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+                   if line.startswith("specserve:spec_decode_num_tree")}
+        assert counted["specserve:spec_decode_num_tree_verifications_total"] \
+            == trees["tree_verifications"]
+        assert counted["specserve:spec_decode_num_tree_nodes_total"] \
+            == trees["tree_drafted_tokens"]
+    finally:
+        assert srv.terminate() == 0, srv.log()

@@ -235,73 +235,194 @@ def _final_noise(shape: tuple[int, int], keys: _Keys, num_accepted: torch.Tensor
 
 
 class TreeOwners(NamedTuple):
-    """The step's sequences whose drafts are token trees, all verified by pick: per sequence
-    its first target row (its last committed token's; node j's row follows at + 1 + j), its
-    drafts' offset in the flat draft ids, and its parents (engine/batch.py `Drafts.parents`)."""
+    """The step's sequences whose drafts are token trees: per sequence its first target row
+    (its last committed token's; node j's row follows at + 1 + j), its drafts' offset in the
+    flat draft ids, its parents (engine/batch.py `Drafts.parents`), whether it is verified by
+    pick, and the noise keys of its rows (root, then each node; a seeded sequence verified by
+    rejection) or None. A tree's drafts are one-hot (q(x) = 1 at the draft: suffix matches)."""
 
     first_rows: list[int]
     draft_offsets: list[int]
     parents: list[list[int]]
+    by_pick: list[bool]
+    keys: list[list[int] | None]
 
 
-def tree_pick(draft_token_ids: torch.Tensor, picks: torch.Tensor,
-              trees: TreeOwners) -> tuple[torch.Tensor, torch.Tensor]:
-    """Verify token trees by pick: from the root, follow the child whose token is the target's
-    own pick at its parent's row; the deepest node so reached (the earliest of equals) is the
-    accepted path's end. Emits the path's tokens and then the pick at its end's row: exactly
-    the tokens plain decoding emits, whatever the tree.
+def tree_verify(draft_token_ids: torch.Tensor, picks: torch.Tensor,
+                target_probs: torch.Tensor | None, trees: TreeOwners,
+                default_generator: torch.Generator | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Verify token trees from the root down: at a node, its children are tried in order and
+    the first accepted one is followed; where none is, the node ends the accepted path.
+    - by pick: a child is accepted iff its token is the target's own pick at the node; the
+      final token is the pick at the path's end: exactly plain decoding's tokens;
+    - by rejection (recursive rejection sampling over the children, without replacement, as
+      SpecInfer's for one-hot drafts): child x is accepted with probability r(x), r the node's
+      p with the earlier children's tokens removed and renormalized; the final token is drawn
+      from p at the path's end with its children's tokens removed (p itself at a leaf). Each
+      emitted token then has the target's distribution: child x_i is emitted with probability
+      p(x_i), and the residual draw covers the rest.
+    target_probs: [rows, V] p, read for the trees verified by rejection (None: all by pick).
 
     Returns ([T, D + 1] emitted tokens padded with PLACEHOLDER, D the deepest tree's depth;
     [T] the accepted path's last node per tree, -1 for none), on the device."""
     device = picks.device
-    paths = [tree_paths(p) for p in trees.parents]
-    depth = max(len(path) for ps in paths for path in ps)
-    width = 1 + max(len(p) for p in trees.parents)  # candidates: the root, then each node
-    n_nodes = sum(len(p) for p in trees.parents)
-    sentinel = n_nodes  # an index past the nodes: matches, and has no token
-    # host-built indices: per node its parent's row; per (tree, candidate) its row, its path's
-    # nodes (sentinel-padded), its depth and its rank (deeper first, then earlier)
-    parent_rows, node_of = np.zeros(n_nodes, np.int64), np.full((len(paths), width), -1)
-    cand_rows = np.zeros((len(paths), width), np.int64)
-    cand_path = np.full((len(paths), width, depth), sentinel, np.int64)
-    cand_depth = np.zeros((len(paths), width), np.int64)
-    at = 0
-    for t, (first, parents, ps) in enumerate(zip(trees.first_rows, trees.parents, paths)):
-        cand_rows[t, :] = first
-        for j, (parent, path) in enumerate(zip(parents, ps)):
-            parent_rows[at + j] = first if parent < 0 else first + 1 + parent
-            node_of[t, 1 + j] = at + j
-            cand_rows[t, 1 + j] = first + 1 + j
-            cand_path[t, 1 + j, :len(path)] = [at + a for a in path]
-            cand_depth[t, 1 + j] = len(path)
-        at += len(parents)
-    rank = cand_depth * width + (width - np.arange(width))[None, :]  # deeper, then earlier
-    rank[node_of < 0] = -1  # padding: never chosen
-    rank[:, 0] = 0  # the root: chosen when no node is accepted
-    flat_ids = to_device(np.concatenate([_draft_rows(trees), parent_rows]),
-                         torch.long, device)
-    ids = draft_token_ids[flat_ids[:n_nodes]]  # [n_nodes] in tree order
-    matched = torch.cat([ids == picks[flat_ids[n_nodes:]],
-                         torch.ones(1, dtype=torch.bool, device=device)])  # + sentinel
-    grids = to_device(np.stack([cand_rows, rank, cand_depth]), torch.long, device)
-    path_idx = to_device(cand_path, torch.long, device)  # [T, width, depth]
-    accepted = matched[path_idx].all(dim=-1)  # [T, width]: the whole path matched
-    score = torch.where(accepted, grids[1], torch.full_like(grids[1], -1))
-    best = score.argmax(dim=1)  # [T]
-    rows = torch.arange(len(paths), device=device)
-    chosen = path_idx[rows, best]  # [T, depth] the path's nodes (sentinel-padded)
+    g = _TreeGrid.of(trees, device)
+    ids = draft_token_ids[g.draft_rows]  # [M] in tree order
+    pad = torch.zeros(1, dtype=torch.bool, device=device)
+    accepted = ids == picks[g.parent_rows]
+    if not all(trees.by_pick):
+        p_x = target_probs[g.parent_rows, ids]  # [M] p(x) at the node's parent
+        earlier = torch.cat([p_x, p_x.new_zeros(1)])[g.earlier].sum(dim=1)  # siblings' p
+        uniform = _tree_uniforms(g, trees, default_generator, device)
+        accepted = torch.where(g.node_pick, accepted, uniform * (1 - earlier) < p_x)
+    accepted = torch.cat([accepted, pad])
+    first = accepted[:-1] & ~accepted[g.earlier].any(dim=1)  # the first accepted sibling
+    on_path = torch.cat([first, ~pad])[g.cand_path].all(dim=-1)  # [T, C] (sentinel: true)
+    depth = torch.where(on_path & g.cand_valid, g.cand_depth, -1)
+    best = depth.argmax(dim=1)  # the deepest node on the path (one per depth), or the root
+    rows = torch.arange(len(trees.parents), device=device)
+    end_rows = g.cand_rows[rows, best]
+    final = picks[end_rows]
+    if not all(trees.by_pick):
+        final = torch.where(g.tree_pick, final,
+                            _tree_final(target_probs, end_rows, g, best, trees, ids,
+                                        default_generator))
     tokens = torch.cat([ids, torch.full((1,), PLACEHOLDER, dtype=torch.long, device=device)])
-    out = torch.full((len(paths), depth + 1), PLACEHOLDER, dtype=torch.long, device=device)
-    out[:, :depth] = tokens[chosen]
-    final = picks[grids[0][rows, best]]
-    out.scatter_(1, grids[2][rows, best][:, None], final[:, None])
+    out = torch.full((len(trees.parents), g.depth + 1), PLACEHOLDER, dtype=torch.long,
+                     device=device)
+    out[:, :g.depth] = tokens[g.cand_path[rows, best]]
+    out.scatter_(1, g.cand_depth[rows, best][:, None], final[:, None])
     return out, best - 1
 
 
-def _draft_rows(trees: TreeOwners) -> np.ndarray:
-    """The flat draft index of every tree node, in tree order."""
-    return np.concatenate([off + np.arange(len(p), dtype=np.int64)
-                           for off, p in zip(trees.draft_offsets, trees.parents)])
+class _TreeGrid(NamedTuple):
+    """The trees' structure as device index tensors, built on the host. M nodes over all trees
+    (tree order), index M a sentinel; per tree C = 1 + its most nodes candidates (the root,
+    then each node) for the accepted path's end."""
+
+    depth: int  # the deepest tree's
+    draft_rows: torch.Tensor  # [M] each node's index in the flat draft ids
+    parent_rows: torch.Tensor  # [M] the target row its token is verified at (its parent's)
+    earlier: torch.Tensor  # [M, S] its earlier siblings (sentinel-padded)
+    sibling: list[int]  # [M] its place among its siblings (host)
+    node_pick: torch.Tensor  # [M] bool: its tree is verified by pick
+    tree_pick: torch.Tensor  # [T] bool
+    cand_rows: torch.Tensor  # [T, C] each candidate's target row
+    cand_path: torch.Tensor  # [T, C, D] its path's nodes (sentinel-padded)
+    cand_depth: torch.Tensor  # [T, C]
+    cand_valid: torch.Tensor  # [T, C] bool: a real candidate (trees differ in size)
+    children: torch.Tensor  # [T, C, W] its children's nodes (sentinel-padded)
+    tree_of: list[int]  # [M] its tree (host)
+    parent_local: list[int]  # [M] its parent in its tree, -1 for the root (host)
+
+    @classmethod
+    def of(cls, trees: TreeOwners, device: torch.device) -> "_TreeGrid":
+        paths = [tree_paths(p) for p in trees.parents]
+        depth = max(len(path) for ps in paths for path in ps)
+        n_cand = 1 + max(len(p) for p in trees.parents)
+        m = sum(len(p) for p in trees.parents)
+        kids: dict[tuple[int, int], list[int]] = {}  # (tree, local parent) -> global nodes
+        draft_rows, parent_rows, tree_of, parent_local, sibling = [], [], [], [], []
+        at = 0
+        for t, (first, off, parents) in enumerate(zip(trees.first_rows, trees.draft_offsets,
+                                                      trees.parents)):
+            for j, parent in enumerate(parents):
+                draft_rows.append(off + j)
+                parent_rows.append(first if parent < 0 else first + 1 + parent)
+                tree_of.append(t)
+                parent_local.append(parent)
+                sibling.append(len(kids.setdefault((t, parent), [])))
+                kids[(t, parent)].append(at + j)
+            at += len(parents)
+        width = max(len(v) for v in kids.values())
+        earlier = np.full((m, max(width - 1, 1)), m, np.int64)
+        for nodes in kids.values():
+            for i, node in enumerate(nodes):
+                earlier[node, :i] = nodes[:i]
+        cand_rows = np.zeros((len(paths), n_cand), np.int64)
+        cand_path = np.full((len(paths), n_cand, depth), m, np.int64)
+        cand_depth = np.zeros((len(paths), n_cand), np.int64)
+        cand_valid = np.zeros((len(paths), n_cand), bool)
+        children = np.full((len(paths), n_cand, width), m, np.int64)
+        at = 0
+        for t, (first, ps) in enumerate(zip(trees.first_rows, paths)):
+            cand_rows[t] = first
+            cand_valid[t, :1 + len(ps)] = True
+            own = kids.get((t, -1), [])
+            children[t, 0, :len(own)] = own
+            for j, path in enumerate(ps):
+                cand_rows[t, 1 + j] = first + 1 + j
+                cand_path[t, 1 + j, :len(path)] = [at + a for a in path]
+                cand_depth[t, 1 + j] = len(path)
+                own = kids.get((t, j), [])
+                children[t, 1 + j, :len(own)] = own
+            at += len(ps)
+        picks = np.asarray(trees.by_pick, bool)
+        flat = to_device(np.concatenate([
+            np.asarray(draft_rows, np.int64), np.asarray(parent_rows, np.int64),
+            earlier.ravel(), picks[tree_of].astype(np.int64), picks.astype(np.int64),
+            cand_rows.ravel(), cand_path.ravel(), cand_depth.ravel(),
+            cand_valid.ravel().astype(np.int64), children.ravel()]), torch.long, device)
+        sizes = [m, m, earlier.size, m, len(picks), cand_rows.size, cand_path.size,
+                 cand_depth.size, cand_valid.size, children.size]
+        parts = torch.split(flat, sizes)
+        return cls(depth, parts[0], parts[1], parts[2].view(earlier.shape), sibling,
+                   parts[3].bool(), parts[4].bool(), parts[5].view(cand_rows.shape),
+                   parts[6].view(cand_path.shape), parts[7].view(cand_depth.shape),
+                   parts[8].view(cand_valid.shape).bool(), parts[9].view(children.shape),
+                   tree_of, parent_local)
+
+
+def _tree_uniforms(g: _TreeGrid, trees: TreeOwners, default: torch.Generator | None,
+                   device: torch.device) -> torch.Tensor:
+    """[M] U(0, 1) per node; a seeded tree's node i-th among its siblings draws the i-th
+    uniform of its parent row's ACCEPT stream (a chain's: the first, as the chain sampler's)."""
+    uniform = torch.rand(len(g.tree_of), generator=default, device=device)
+    keyed = [node for node, t in enumerate(g.tree_of)
+             if trees.keys[t] is not None and not trees.by_pick[t]]
+    if keyed:
+        row_key = [trees.keys[g.tree_of[n]][1 + g.parent_local[n]] for n in keyed]
+        draws = keyed_uniforms([restream(k, ACCEPT) for k in row_key],
+                               1 + max(g.sibling[n] for n in keyed), device)
+        index = to_device([keyed, [g.sibling[n] for n in keyed]], torch.long, device)
+        uniform[index[0]] = draws[torch.arange(len(keyed), device=device), index[1]]
+    return uniform
+
+
+def _tree_final(probs: torch.Tensor, end_rows: torch.Tensor, g: _TreeGrid, best: torch.Tensor,
+                trees: TreeOwners, ids: torch.Tensor,
+                default: torch.Generator | None) -> torch.Tensor:
+    """[T] the final token of each tree verified by rejection: a draw from p at its path's
+    end with that node's children's tokens removed (all were rejected there), renormalized."""
+    device = probs.device
+    p = probs[end_rows].float()  # [T, V]
+    rows = torch.arange(p.shape[0], device=device)
+    kids = g.children[rows, best]  # [T, W] sentinel-padded
+    tokens = torch.cat([ids, ids.new_zeros(1)])[kids]
+    residual = p.scatter(1, tokens, torch.where(kids < len(g.tree_of), 0.0,
+                                                p.gather(1, tokens)))
+    usable = residual.sum(dim=-1) > 0  # zero only where p sat on the children (probability 0)
+    dist = torch.where(usable[:, None], residual, p)
+    noise = torch.empty_like(dist).exponential_(generator=default)
+    keyed = [t for t, k in enumerate(trees.keys) if k is not None and not trees.by_pick[t]]
+    if keyed:  # a seeded tree's final draw is keyed by the position it lands on: per depth
+        cands = [_depth_keys(trees, t) for t in keyed]
+        drawn = exponential_noise((sum(len(c) for c in cands), dist.shape[1]),
+                                  [k for c in cands for k in c], device, None)
+        first = np.cumsum([0] + [len(c) for c in cands[:-1]])
+        index = to_device([keyed, first], torch.long, device)
+        noise[index[0]] = drawn[index[1] + g.cand_depth[index[0], best[index[0]]]]
+    return (dist / noise).argmax(dim=-1)
+
+
+def _depth_keys(trees: TreeOwners, t: int) -> list[int]:
+    """A seeded tree's row keys by depth (every node of a depth shares its position's key)."""
+    keys, paths = trees.keys[t], tree_paths(trees.parents[t])
+    by_depth = {0: keys[0]}
+    for j, path in enumerate(paths):
+        by_depth.setdefault(len(path), keys[1 + j])
+    return [by_depth[d] for d in range(1 + max(by_depth))]
 
 
 def to_lists(emitted: torch.Tensor | list[list[int]]) -> list[list[int]]:

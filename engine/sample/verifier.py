@@ -142,12 +142,19 @@ class Verifier:
         tree = np.array([drafts.parents_of(o.index) is not None for o in owners])
         if not tree.any():
             return self._chains(owners, rows, processed, picks, drafts, picked), None
-        assert picked[tree].all(), "token trees are verified by pick only"
         chain, trees = np.nonzero(~tree)[0], np.nonzero(tree)[0]
-        tree_out, nodes = rejection_sampler.tree_pick(drafts.token_ids, picks, TreeOwners(
-            [owners[i].first_row for i in trees], [drafts.offsets[owners[i].index]
-                                                   for i in trees],
-            [drafts.parents_of(owners[i].index) for i in trees]))
+        starts = np.cumsum([0] + [o.k + 1 for o in owners])  # each owner's first spec row
+        keyed = [owners[i].seq.params.seed is not None and not picked[i] for i in trees]
+        tree_out, nodes = rejection_sampler.tree_verify(
+            drafts.token_ids, picks,
+            None if picked[trees].all() else torch.softmax(processed, dim=-1),
+            TreeOwners([owners[i].first_row for i in trees],
+                       [drafts.offsets[owners[i].index] for i in trees],
+                       [drafts.parents_of(owners[i].index) for i in trees],
+                       picked[trees].tolist(),
+                       [[r.noise_key for r in rows[starts[i]:starts[i + 1]]] if kd else None
+                        for i, kd in zip(trees, keyed)]),
+            self.generator)
         parts = [(trees, tree_out)]
         if len(chain):  # the chains' own rows, rows and drafts as one smaller step
             sub = [owners[i] for i in chain]

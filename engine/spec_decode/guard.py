@@ -231,7 +231,7 @@ class Guard:
 
     def _alpha(self, seq: Sequence, prior: float) -> float:
         """The sequence's acceptance estimate for the proposer."""
-        _, accepted, rejections = seq.spec_methods.get(self.method, (0, 0, 0))
+        _, accepted, rejections, *_ = seq.spec_methods.get(self.method, (0, 0, 0))
         return AcceptanceStats(accepted, rejections).estimate(prior)
 
     def _backlog(self, backlog: int) -> int:

@@ -152,7 +152,7 @@ class Speculator(NoSpeculation):
                 # before its last draft; a tree: at a node with children, or the root)
                 rejected = (len(tokens) - 1 < s.num_drafts if tree is None
                             else (paths[i][-1] if paths[i] else -1) in tree)
-                self._record(s.seq, s.num_drafts, len(tokens) - 1, rejected)
+                self._record(s.seq, s.num_drafts, len(tokens) - 1, rejected, tree is not None)
             elif tokens and s.seq.request_id in self._states:
                 self._states[s.seq.request_id].method = None
 
@@ -269,10 +269,9 @@ class Speculator(NoSpeculation):
         return best, method
 
     def _tree_ok(self, seq: Sequence) -> bool:
-        """The sequence's drafts may be a token tree: trees are on, verified by pick (greedy
-        or coupled seeded), no logprobs asked, no grammar."""
-        return (self.tree_nodes > 0 and by_pick(seq.params, self.coupled)
-                and seq.params.logprobs is None and seq.matcher is None)
+        """The sequence's suffix drafts may be a token tree: trees are on, no logprobs asked,
+        no grammar."""
+        return self.tree_nodes > 0 and seq.params.logprobs is None and seq.matcher is None
 
     def _backlog(self, seq: Sequence) -> int:
         """Tokens the proposer must catch up on before it drafts for `seq`."""
@@ -320,18 +319,21 @@ class Speculator(NoSpeculation):
 
     # -- verification -------------------------------------------------------------------------
     def _record(self, seq: Sequence, num_drafted: int, num_accepted: int,
-                rejected: bool) -> None:
+                rejected: bool, tree: bool = False) -> None:
         state = self._state(seq)
         method, match_length = state.method or (self.method, 0)
         state.method = None
         seq.num_drafted_tokens += num_drafted
         seq.num_accepted_tokens += num_accepted
         seq.num_spec_rejections += rejected
-        counts = seq.spec_methods.setdefault(method, [0, 0, 0])
+        counts = seq.spec_methods.setdefault(method, [0, 0, 0, 0, 0])
         counts[0] += num_drafted
         counts[1] += num_accepted
         counts[2] += rejected
-        self.stats.record_verification(num_drafted, num_accepted, method)
+        if tree:
+            counts[3] += 1
+            counts[4] += num_drafted
+        self.stats.record_verification(num_drafted, num_accepted, method, tree)
         if method == "prediction":  # the request's own prediction, its own acceptance
             state.prediction.record(num_drafted, num_accepted)
             return

@@ -21,6 +21,8 @@ class SpecDecodeStats:
     # per method ("draft_model", "suffix", "ngram"): [verifications, drafted, accepted]
     by_method: dict[str, list[int]] = field(default_factory=dict)
     suffix_cache_tokens: int = 0  # finished requests' tokens the suffix cache holds
+    num_tree_verifications: int = 0  # verifications whose drafts were a token tree
+    num_tree_nodes: int = 0  # the nodes those trees verified
     # tokens emitted by each recent verification with drafts, for a metrics consumer
     recent_lengths: deque = field(default_factory=lambda: deque(maxlen=10_000))
 
@@ -34,9 +36,12 @@ class SpecDecodeStats:
         self.last_mean_k = sum(ks) / len(ks) if ks else 0.0
 
     def record_verification(self, num_drafted: int, num_accepted: int,
-                            method: str = "draft_model") -> None:
+                            method: str = "draft_model", tree: bool = False) -> None:
         if not num_drafted:
             return
+        if tree:
+            self.num_tree_verifications += 1
+            self.num_tree_nodes += num_drafted
         counts = self.by_method.setdefault(method, [0, 0, 0])
         counts[0] += 1
         counts[1] += num_drafted
