@@ -226,3 +226,29 @@ def test_server_reports_token_trees_in_usage_and_metrics(tmp_path):
             == trees["tree_drafted_tokens"]
     finally:
         assert srv.terminate() == 0, srv.log()
+
+
+def test_a_heads_features_follow_the_accepted_path():
+    """A draft head reads the target's features at committed positions: after a tree, the
+    committed tokens' rows and then the accepted path's nodes' rows, in path order."""
+    from types import SimpleNamespace
+
+    from engine.batch import StepLogits
+    from engine.spec_decode.speculator import NoSpeculation
+
+    kept = []
+
+    class Recorder(NoSpeculation):
+        def keep_features(self, entries, step):
+            kept.append(([(seq, start, n) for seq, start, n in entries], step.hidden.tolist()))
+
+    a, b = Sequence("a", [1], SamplingParams()), Sequence("b", [1], SamplingParams())
+    out = SimpleNamespace(scheduled=[
+        SimpleNamespace(seq=a, start=10, token_ids=[7], num_drafts=4),  # a tree
+        SimpleNamespace(seq=b, start=20, token_ids=[8], num_drafts=2)])  # a chain
+    hidden = torch.arange(8.0)[:, None]  # row r's feature: r
+    Recorder().verified(out, StepLogits(torch.zeros(8, 3), [0, 5, 8], hidden), [[], []],
+                        None, [[1, 3], None])
+    entries, rows = kept[0]
+    assert entries == [(a, 10, 3), (b, 20, 3)]
+    assert [r[0] for r in rows] == [0, 2, 4, 5, 6, 7]  # a: row 0, nodes 1 and 3; b: all

@@ -45,6 +45,9 @@ PANELS = [
          f"[5m])) / scalar(sum(rate(specserve:spec_decode_num_drafts_total{I}[5m])))",
          "position {{position}}")]),
     ("k chosen (mean)", "short", [(f"avg(specserve:spec_decode_k{I})", "k")]),
+    ("Token-tree size (nodes per tree verified)", "short", [
+        (f"sum(rate(specserve:spec_decode_num_tree_nodes_total{I}[5m])) / "
+         f"sum(rate(specserve:spec_decode_num_tree_verifications_total{I}[5m]))", "nodes")]),
     ("Time to first token", "s", quantiles("time_to_first_token_seconds")),
     ("Inter-token latency", "s", quantiles("inter_token_latency_seconds")),
     ("End-to-end latency", "s", quantiles("e2e_request_latency_seconds")),

@@ -7,7 +7,11 @@ A sequence that verifies k drafts owns k + 1 logits rows (k = 0 is plain samplin
 its last committed token, then one per draft. Each row is processed by `sampler.process_logits`
 (grammar mask, penalties, temperature, top-k/p, min-p); then per sequence either its drafts are
 verified by pick (`row_spec.by_pick`: greedy, or coupled seeded sampling) or by rejection
-sampling against q (engine/sample/rejection_sampler.py, terms defined there). Everything runs on
+sampling against q (engine/sample/rejection_sampler.py, terms defined there). A sequence whose
+drafts are a token tree owns a row per node (after its last committed token's); a node's row is
+processed as the position after its path (its depth, its path's tokens as history), and the
+tree is verified by `tree_verify`: the accepted path's tokens, and its end node for the engine
+to move the path's K/V into place. Everything runs on
 the device; the host reads the step's tokens and logprobs in ONE transfer (engine/device_io.py).
 """
 

@@ -22,12 +22,13 @@ estimate they were chosen on. The `Sequence` only counts its pending drafts
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from engine.batch import Drafts, StepLogits
 from engine.block_manager import BlockManager
+from engine.device_io import to_device
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.model_runner import ModelRunner
 from engine.runner_plan import RunnerPlan
@@ -74,9 +75,23 @@ class NoSpeculation:
         """The target pass's results: its logits rows and, when the runner captured them, a
         draft head's features (`step.hidden`: `keep_features` gets them); per scheduled
         sequence the tokens it emitted ([] for none)."""
-        if step.hidden is not None:
+        if step.hidden is None:
+            return
+        if paths is None or not any(p is not None for p in paths):
             self.keep_features([(s.seq, s.start, len(s.token_ids) + s.num_drafts)
                                 for s in out.scheduled], step)
+            return
+        # a token tree's features: its committed tokens', then its accepted path's, in order
+        rows, entries, at = [], [], 0
+        for s, path in zip(out.scheduled, paths):
+            n = len(s.token_ids)
+            keep = range(at, at + n + s.num_drafts) if path is None else \
+                [*range(at, at + n), *(at + n + node for node in path)]
+            rows += keep
+            entries.append((s.seq, s.start, len(keep)))
+            at += n + s.num_drafts
+        index = to_device(rows, torch.long, step.hidden.device)
+        self.keep_features(entries, replace(step, hidden=step.hidden[index]))
 
     def keep_features(self, entries: list[tuple[Sequence, int, int]],
                       step: StepLogits) -> None:
@@ -254,8 +269,9 @@ class Speculator(NoSpeculation):
         """The sequence's free proposal and its method: its suffix match or its prediction's
         continuation, whichever expects more accepted tokens."""
         best, method = SuffixDraft(), "suffix"
-        if self.suffix is not None and self._tree_ok(seq):
-            best = self.suffix.propose_tree(seq, room, self.tree_nodes)
+        if self.suffix is not None and self._tree_ok(seq):  # its nodes' slots in the context
+            best = self.suffix.propose_tree(seq, room, min(self.tree_nodes, self.max_model_len
+                                                           - seq.num_tokens))
         elif self.suffix is not None:
             best = self.suffix.propose(seq, room)
         if seq.params.prediction:
