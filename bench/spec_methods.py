@@ -60,7 +60,9 @@ METHODS = ("plain", "draft_model", "ngram", "suffix", "hybrid")
 # with --speculator: the draft head alone, and hybrid with the head as its model source
 EAGLE_METHODS = ("plain", "draft_model", "eagle", "hybrid_eagle")
 # with --trees: suffix and hybrid with chains only (tree_max_nodes 0) and with token trees
+# (tree_max_nodes TREE_NODES)
 TREE_METHODS = ("plain", "suffix_chain", "suffix", "hybrid_chain", "hybrid")
+TREE_NODES = 16
 
 
 def load_prompts(tok, path):
@@ -93,16 +95,19 @@ def tree_result(rates: dict, accept_len: dict) -> str:
     return " ".join(parts)
 
 
-def make_engine(method, target, draft, tok, k_max, draft_vocab_size, speculator=None):
+def make_engine(method, target, draft, tok, k_max, draft_vocab_size, speculator=None,
+                trees=False):
+    """trees: suffix and hybrid draft token trees (a "_chain" method: chains only)."""
     heads = method in ("eagle", "hybrid_eagle")
     chains = method.endswith("_chain")
     method = method.removesuffix("_chain")
+    tree_nodes = TREE_NODES if trees and not chains and method in ("suffix", "hybrid") else 0
     spec = SpeculativeConfig(method={"plain": "none", "hybrid_eagle": "hybrid"}.get(method,
                                                                                    method),
                              draft_model=DRAFT if method in ("draft_model", "hybrid") else None,
                              speculator=speculator if heads else None,
                              k_max=k_max, adaptive=True, draft_vocab_size=draft_vocab_size,
-                             **({"tree_max_nodes": 0} if chains else {}))
+                             tree_max_nodes=tree_nodes)
     uses_draft = method in ("draft_model", "hybrid")
     return LLMEngine(EngineConfig(kv_cache_memory_gb=1.5, max_num_seqs=32,
                                   max_num_batched_tokens=512, speculative=spec),
@@ -223,7 +228,7 @@ def main() -> int:
                              "plain, draft_model, eagle and hybrid with the head instead")
     parser.add_argument("--trees", action="store_true",
                         help="plain, suffix and hybrid with chains only and with token trees "
-                             "(tree_max_nodes 0 and the default)")
+                             f"(tree_max_nodes 0 and {TREE_NODES})")
     parser.add_argument("--out", default=None,
                         help="results file (default bench/results/spec_methods.md, "
                              "spec_methods_eagle.md with --speculator, spec_methods_trees.md "
@@ -258,7 +263,7 @@ def main() -> int:
     rows, plain_out, identical = [], {}, {}
     c1 = 2 if args.quick else args.c1_prompts
     engines = {m: make_engine(m, target, draft, tok, args.k_max, args.draft_vocab_size,
-                              args.speculator) for m in methods_run}
+                              args.speculator, args.trees) for m in methods_run}
     hybrid = methods_run[-1]
 
     def measure(method, name, c, rounds_c, params_c):

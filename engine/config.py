@@ -50,9 +50,10 @@ class SpeculativeConfig:
     suffix_min_token_prob: float = 0.1  # stop where the continuation's frequency falls below
     # token trees: a suffix proposal may branch where its earlier occurrences continue
     # differently (several continuations verified in one forward, the most likely first);
-    # at most this many nodes per sequence and step (0: chains only; at most 64). Requests
-    # verified by rejection sampling, asking for logprobs or under a grammar get chains.
-    tree_max_nodes: int = 16
+    # at most this many nodes per sequence and step (0: chains only, the default until the
+    # guard weighs a tree's rows as well as a chain's; at most 64). Requests asking for
+    # logprobs or under a grammar get chains.
+    tree_max_nodes: int = 0
     # how a seeded sampled request's drafts are verified: "coupled" accepts a draft iff the
     # target's own position-keyed race picks it, so the output is exactly the output without
     # speculation; "rejection" uses rejection sampling for them too (higher acceptance, output
