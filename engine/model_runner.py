@@ -222,9 +222,10 @@ class ModelRunner:
         """After a token tree's verification: each (block table, from, to) copies the K/V at
         position `from` of that sequence to position `to` in every layer (the accepted path's
         nodes to the positions after the committed tokens; a node never moves over one still
-        to be moved: a path's nodes only move towards the root)."""
-        if self.workers is not None or self.group is not None:
-            raise RuntimeError("token trees are not verified under tensor parallelism")
+        to be moved: a path's nodes only move towards the root). Rank 0 of a split model tells
+        the other ranks to move theirs."""
+        if self.workers is not None:
+            self.workers.compact(moves)
         bs = self.block_size
         slots = to_device([[t[p // bs] * bs + p % bs for t, p, _ in moves],
                            [t[p // bs] * bs + p % bs for t, _, p in moves]], torch.long,

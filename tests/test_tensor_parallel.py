@@ -79,6 +79,29 @@ def test_speculation_under_two_ranks_equals_plain_alone_and_batched(target, draf
         engine.close()
 
 
+def test_token_trees_under_two_ranks_equal_plain(target):
+    """A suffix proposal that branches (two earlier texts continue the same context two ways),
+    verified against the split target: every rank moves the accepted path's K/V, and the
+    output is plain decoding's."""
+    engine = make_engine(target, "suffix", dtype="bfloat16", tensor_parallel_size=2,
+                         tree_max_nodes=16)
+    try:
+        base = random_prompts([14], seed=11)[0]
+        long = [SamplingParams(**{**p.__dict__, "max_tokens": 80}) for p in (GREEDY, SEEDED)]
+        first = engine.generate([base], _plain(long[0]))[0].output_token_ids
+        other = base + first[:1] + random_prompts([20], seed=12)[0]  # the other branch
+        engine.generate([other], _plain(long[0]))
+        moved = []
+        compact = engine.runner.compact
+        engine.runner.compact = lambda m: (moved.extend(m), compact(m))
+        for params in long:  # the steps after the tree read the moved K/V on every rank
+            plain = engine.generate([base], _plain(params))[0].output_token_ids
+            assert engine.generate([base], params)[0].output_token_ids == plain, params
+        assert engine.speculator.stats.num_tree_verifications > 0 and moved
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize("method", ["eagle", "hybrid"])
 def test_a_draft_head_reads_the_split_targets_features_and_stays_exact(tmp_path, method):
     """The head on rank 0 reads the whole hidden states (every rank has them after each

@@ -3,11 +3,12 @@ rank 0. Must not schedule, sample or speculate: a worker only follows rank 0's f
 
 Rank 0 (the engine) starts them (spawned: no CUDA or thread state is forked), each with a pipe.
 Per forward, rank 0 sends the step's metadata down every pipe (positions, KV slots, per
-sequence its span: what the attention backend needs; `Workers.step`), then broadcasts the
-input ids over the group (a device tensor: drafts a draft model left on the device travel
-without a host read) and all ranks run the same forward, meeting at each layer's reduce.
-Only rank 0 computes logits. A worker idles in its pipe's `recv`, so no collective waits
-while the server has nothing to do.
+sequence its span, a token tree's parents included: what the attention backend needs;
+`Workers.step`; after a tree's verification, its K/V moves: `Workers.compact`), then
+broadcasts the input ids over the group (a device tensor: drafts a draft model left on the
+device travel without a host read) and all ranks run the same forward, meeting at each
+layer's reduce. Only rank 0 computes logits. A worker idles in its pipe's `recv`, so no
+collective waits while the server has nothing to do.
 
 Failure is loud: a worker that raises exits, which fails rank 0's next collective at once
 (gloo and NCCL see the closed connection); a rank-0 forward that raised part-way leaves the
@@ -180,6 +181,11 @@ class Workers:
         """Tell every worker to run the forward rank 0 is about to run."""
         self._send(("step", meta))
 
+    def compact(self, moves: list[tuple[list[int], int, int]]) -> None:
+        """Tell every worker to move K/V as rank 0 does after a token tree's verification
+        (`ModelRunner.compact`): before its next forward, as the pipe keeps the order."""
+        self._send(("compact", moves))
+
     def _send(self, message: tuple) -> None:
         if self.broken:
             raise RuntimeError(f"tensor parallelism is broken: {self.broken}")
@@ -293,5 +299,7 @@ def _serve(rank: int, config, model: torch.nn.Module | None, conn, group: TPGrou
             conn.send(("resized", {"kv_bytes": runner.kv_bytes}))
         elif kind == "step":
             runner.follow(args[0])
+        elif kind == "compact":
+            runner.compact(args[0])
         else:
             raise RuntimeError(f"unknown message {kind!r} from rank 0")

@@ -111,11 +111,10 @@ class Speculator(NoSpeculation):
 
     def __init__(self, config: SpeculativeConfig, proposer: Proposer | None,
                  max_model_len: int, max_num_batched_tokens: int, device: torch.device,
-                 suffix: SuffixCache | None = None, trees: bool = True) -> None:
-        """device: the target's (where each step's drafts go); trees: suffix proposals may
-        be token trees (config.tree_max_nodes; not under tensor parallelism)."""
+                 suffix: SuffixCache | None = None) -> None:
+        """device: the target's (where each step's drafts go)."""
         self.config = config
-        self.tree_nodes = config.tree_max_nodes if trees else 0
+        self.tree_nodes = config.tree_max_nodes  # suffix proposals may be token trees
         self.device = device
         self.coupled = config.verification == "coupled"
         self.proposer = proposer  # the draft model, a head or prompt lookup; None: suffix only
@@ -393,7 +392,7 @@ def build_speculator(config: EngineConfig, plan: RunnerPlan, target: ModelRunner
                              spec_factor=speculative.suffix_spec_factor,
                              min_token_prob=speculative.suffix_min_token_prob)
     speculator = Speculator(speculative, proposer, max_model_len, config.max_num_batched_tokens,
-                            target.device, suffix, trees=target.group is None)
+                            target.device, suffix)
     if speculative.adaptive and speculative.calibrate:
         calibrate(speculator.guard.controller, block_manager, target,
                   proposer if speculative.uses_head else getattr(proposer, "runner", None))
