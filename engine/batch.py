@@ -23,7 +23,7 @@ from engine.device_io import to_device
 
 UNKNOWN = -1  # a draft's id in `Drafts.host` where only the device holds it
 ROOT = -1  # a draft's parent in a token tree: the sequence's last committed token
-MAX_TREE_NODES = 64  # drafts of one sequence's tree (a row's ancestors fit one 64-bit mask)
+MAX_TREE_NODES = 64  # drafts of one sequence's tree (`tree_max_nodes` is bounded by it)
 
 
 def check_tree(parents: list[int], limit: int = MAX_TREE_NODES) -> None:
@@ -115,11 +115,16 @@ class Drafts:
         self.host = host if host is not None else [UNKNOWN] * self.num_tokens
         self.draft_probs = draft_probs
         self.has_q = has_q if has_q is not None else [False] * len(self.num_draft_tokens)
+        # per sequence its tree and the tree's paths (None: a chain), derived once
+        self._trees: list[tuple[list[int], list[list[int]]] | None] = \
+            [None] * len(self.num_draft_tokens)
         if parents is not None:
             assert len(parents) == self.num_tokens, "a parent per draft"
-            for i in range(len(self.num_draft_tokens)):  # built checked: a bad tree is a bug
-                check_tree(parents[self.offsets[i]:self.offsets[i + 1]])
-            if all(is_chain(parents[a:b]) for a, b in zip(self.offsets, self.offsets[1:])):
+            for i, (a, b) in enumerate(zip(self.offsets, self.offsets[1:])):
+                check_tree(parents[a:b])  # built checked: a bad tree here is a bug
+                if not is_chain(parents[a:b]):
+                    self._trees[i] = (parents[a:b], tree_paths(parents[a:b]))
+            if not any(self._trees):
                 parents = None  # chains only: the plain layout
         self.parents = parents
 
@@ -160,10 +165,13 @@ class Drafts:
     def parents_of(self, i: int) -> list[int] | None:
         """Sequence i's token tree (its drafts' parents), or None where its drafts are a
         chain."""
-        if self.parents is None:
-            return None
-        parents = self.parents[self.offsets[i]:self.offsets[i + 1]]
-        return None if is_chain(parents) else parents
+        tree = self._trees[i]
+        return None if tree is None else tree[0]
+
+    def paths_of(self, i: int) -> list[list[int]] | None:
+        """Sequence i's tree's paths (`tree_paths`), or None for a chain."""
+        tree = self._trees[i]
+        return None if tree is None else tree[1]
 
     def host_of(self, i: int) -> list[int] | None:
         """Sequence i's drafts on the host, or None where only the device holds them."""

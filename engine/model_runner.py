@@ -23,7 +23,7 @@ import torch
 
 from engine.attention import paged
 from engine.batch import Drafts, ModelShape, RunItem, StepLogits, StepMeta, input_ids, \
-    num_new_tokens, tree_paths
+    num_new_tokens
 from engine.device_io import to_device
 from engine.models import lean_forward
 
@@ -196,7 +196,7 @@ class ModelRunner:
             else:  # a token tree's node at the last committed token's position + its depth
                 base = start + len(item.token_ids) - 1
                 positions += range(start, base + 1)
-                positions += [base + len(path) for path in tree_paths(tree)]
+                positions += [base + len(path) for path in drafts.paths_of(i)]
             slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, end)]
             spans.append(paged.SeqSpan(q_start, n, end, table, item.prompt_len,
                                        None if tree is None else tuple(tree)))

@@ -336,7 +336,7 @@ class TritonBackend(AttentionBackend):
         else:  # the one-split build (the pointers below are never read)
             num_splits, num_parts = 1, 0
             m_part = l_part = acc_part = part_of_row = part_first = out
-        tree = getattr(meta, "tree", None)  # (static steps' metadata have no trees)
+        tree = meta.tree  # (else unread: any int32 tensors of the step stand in)
         tree_from, tree_pos = tree if tree is not None else (meta.q_len, meta.block_tables)
         _paged_attention_kernel[(batch * num_splits, num_heads, tiles)](
             q, k_cache, v_cache, out, meta.q_start, meta.q_len, meta.ctx_len,

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from engine import device_io
-from engine.batch import Drafts, tree_paths
+from engine.batch import Drafts
 from engine.sample import rejection_sampler, sampler
 from engine.sample.rejection_sampler import TreeOwners
 from engine.sample.row_spec import by_pick, row_spec
@@ -100,15 +100,14 @@ class Verifier:
         rows: list[sampler.RowSpec] = []  # each owner's k + 1 rows
         for o in owners:
             host = drafts.host_of(o.index) if o.k else None
-            tree = drafts.parents_of(o.index) if o.k else None
+            tree = drafts.paths_of(o.index) if o.k else None
             if tree is None:
                 rows += [row_spec(o.seq, j, host) for j in range(o.k + 1)]
             else:  # a node's row follows its path: its position, its history
                 assert host is not None and o.seq.params.logprobs is None, \
                     "a token tree's drafts are on the host, and no logprobs are asked of it"
                 rows.append(row_spec(o.seq, 0, host))
-                rows += [row_spec(o.seq, len(path), [host[a] for a in path])
-                         for path in tree_paths(tree)]
+                rows += [row_spec(o.seq, len(path), [host[a] for a in path]) for path in tree]
         emitted, nodes = self._emitted(owners, rows, logits, drafts, masks)
         lp = self._logprob_tensors(owners, emitted, logits)
         ended = self.marks.mark()
@@ -120,9 +119,9 @@ class Verifier:
         paths: list[list[int] | None] | None = None if nodes is None else [None for _ in seqs]
         if paths is not None:
             for o, node in zip(owners, host[1]):
-                tree = drafts.parents_of(o.index) if o.k else None
+                tree = drafts.paths_of(o.index) if o.k else None
                 if tree is not None:
-                    paths[o.index] = tree_paths(tree)[node] if node >= 0 else []
+                    paths[o.index] = tree[node] if node >= 0 else []
         return Verified(tokens, logprobs, ended, paths)
 
     def _emitted(self, owners: list[_Owner], rows: list[sampler.RowSpec], logits: torch.Tensor,

@@ -232,17 +232,19 @@ class SuffixCache:
         chosen is never measured, so the long classes start optimistic."""
         return 1.0 - 0.7 * 0.5 ** cls
 
-    def propose(self, seq: Sequence, max_tokens: int) -> SuffixDraft:
-        """The continuation of the sequence's longest recent match, at most `max_tokens` long
-        (call `sync` first)."""
+    def _lookup(self, seq: Sequence, max_tokens: int
+                ) -> tuple[list[tuple[list[int], int]], int, int, float] | None:
+        """The sequence's longest recent match: its candidates (texts and the positions after
+        the match), the match length, how far a proposal may go (`max_tokens`, the spec
+        factor, max_spec_tokens) and its class's acceptance; None without one."""
         doc_id = self._doc_of.get(seq.request_id)
         if doc_id is None or max_tokens <= 0:
-            return SuffixDraft()
+            return None
         doc = self._docs[doc_id]
         part = self._partitions[doc.salt]
         found = self._matches(part, doc.tokens)
         if not found:
-            return SuffixDraft()
+            return None
         best = max(f[0] for f in found)
         cands = [(toks, pos) for m, _, toks, pos in found if m == best]
         for _, other, _, _ in found:
@@ -250,8 +252,16 @@ class SuffixCache:
                 part.history.move_to_end(other)  # recently useful: evicted last
         cap = min(max_tokens, self.max_spec_tokens, max(1, int(self.spec_factor * best)))
         cls = match_class(best)
-        return self._continuation(cands, cap, part.acceptance[cls].estimate(self.prior(cls)),
-                                  SuffixDraft(match_length=best))
+        return cands, best, cap, part.acceptance[cls].estimate(self.prior(cls))
+
+    def propose(self, seq: Sequence, max_tokens: int) -> SuffixDraft:
+        """The continuation of the sequence's longest recent match, at most `max_tokens` long
+        (call `sync` first)."""
+        match = self._lookup(seq, max_tokens)
+        if match is None:
+            return SuffixDraft()
+        cands, best, cap, acceptance = match
+        return self._continuation(cands, cap, acceptance, SuffixDraft(match_length=best))
 
     def propose_tree(self, seq: Sequence, max_depth: int, max_nodes: int) -> SuffixDraft:
         """The continuations of the sequence's longest recent match as a token tree of at most
@@ -259,20 +269,10 @@ class SuffixCache:
         path frequency stays above min_token_prob, the most confident first (a chain where
         one continuation dominates). A node's confidence is its path's frequency times the
         match class's acceptance per level, like a chain's position (call `sync` first)."""
-        doc_id = self._doc_of.get(seq.request_id)
-        if doc_id is None or max_depth <= 0 or max_nodes <= 0:
+        match = self._lookup(seq, max_depth) if max_nodes > 0 else None
+        if match is None:
             return SuffixDraft()
-        part = self._partitions[self._docs[doc_id].salt]
-        found = self._matches(part, self._docs[doc_id].tokens)
-        if not found:
-            return SuffixDraft()
-        best = max(f[0] for f in found)
-        for _, other, _, _ in found:
-            if other in part.history:
-                part.history.move_to_end(other)
-        cap = min(max_depth, self.max_spec_tokens, max(1, int(self.spec_factor * best)))
-        cls = match_class(best)
-        acceptance = part.acceptance[cls].estimate(self.prior(cls))
+        cands, best, cap, acceptance = match
         draft = SuffixDraft(match_length=best, parents=[])
         # best first: (-confidence, order, parent, token, its path frequency, depth, candidates)
         heap: list = []
@@ -291,7 +291,7 @@ class SuffixCache:
                     heapq.heappush(heap, (-p * acceptance ** (depth + 1), next(order), parent,
                                           token, p, depth + 1, follow))
 
-        expand(-1, [(toks, pos) for m, _, toks, pos in found if m == best], 1.0, 0)
+        expand(-1, cands, 1.0, 0)
         while heap and len(draft.token_ids) < max_nodes:
             conf, _, parent, token, p, depth, follow = heapq.heappop(heap)
             draft.token_ids.append(token)

@@ -2,15 +2,15 @@
 // generated tokens (decode, verification of drafts) in engine/attention/paged.py.
 //
 // Each row r attends to pos[r] + 1 keys of its sequence, read in place through the row's block
-// table (no gather, no padding): key j at position j, except a token tree's node (engine/batch.py),
-// whose keys from tree_from[r] on are its ancestors' and its own, at positions tree_pos[r][j -
-// tree_from[r]]. The keys are visited in that order (a node's are the same path's as a chain), so a
-// node gets the bits of the same tokens verified as a chain. A row's result depends only on its query and
-// those keys, computed in one fixed order (scores key by key, max, exp and sum in a fixed
-// vector order, the weighted sum of values key by key), whatever the other rows of the call:
-// batch-invariant by construction, and the same for a row of a 1-token decode step and of a
-// 1 + k verification step. Tasks are (row, kv head) pairs spread over torch's threads; a task
-// computes whole rows, so the split never changes a result.
+// table (no gather, no padding): key j at position j, except a token tree's node
+// (engine/batch.py), whose keys from tree_from[r] on are its ancestors' and its own, at
+// positions tree_pos[r][j - tree_from[r]]. The keys are visited in that order (a node's are the
+// same path's as a chain), so a node gets the bits of the same tokens verified as a chain. A
+// row's result depends only on its query and those keys, computed in one fixed order (scores
+// key by key, max, exp and sum in a fixed vector order, the weighted sum of values key by key),
+// whatever the other rows of the call: batch-invariant by construction, and the same for a row
+// of a 1-token decode step and of a 1 + k verification step. Tasks are (row, kv head) pairs
+// spread over torch's threads; a task computes whole rows, so the split never changes a result.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -108,9 +108,9 @@ void attend(const T* q, const T* kc, const T* vc, T* out, const int64_t* rows, c
 }  // namespace
 
 // out, q: [T, H, D]; k_cache, v_cache: [slots, KVH, D] (all contiguous, one dtype: fp32 or
-// bf16); rows, pos: [R] int64; tables: [R, MB] int64 block tables; tree_from: [R] int64 (pos + 1
-// for a row that is no tree node); tree_pos: [R, W] int64 (W >= every node's depth). Writes
-// out[rows[r]].
+// bf16); rows, pos: [R] int64; tables: [R, MB] int64 block tables; tree_from: [R] int64
+// (pos + 1 for a row that is no tree node); tree_pos: [R, W] int64 (W >= every node's depth).
+// Writes out[rows[r]].
 void paged_attention_rows(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
                           torch::Tensor v_cache, torch::Tensor rows, torch::Tensor pos,
                           torch::Tensor tables, torch::Tensor tree_from, torch::Tensor tree_pos,
