@@ -5,7 +5,7 @@ STAMP := $(VENV)/.specserve-installed
 PYTEST_ARGS ?=
 
 .PHONY: install test serve bench-engine bench-spec bench-methods bench-trees bench-predicted \
-	bench-eagle bench-server bench-tp bench-llamacpp wheelhouse gpu-check clean
+	bench-eagle bench-trees-eagle bench-server bench-tp bench-llamacpp wheelhouse gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -39,7 +39,7 @@ bench-methods: install
 	$(VENV)/bin/specserve models fetch qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct
 	$(PY) bench/spec_methods.py
 
-# Token trees against chains: plain, suffix and hybrid with chains only and with trees.
+# Token trees against chains: plain, suffix, the draft model and hybrid, chains only and trees.
 bench-trees: install
 	$(VENV)/bin/specserve models fetch qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct
 	$(PY) bench/spec_methods.py --trees
@@ -63,6 +63,14 @@ bench-eagle: install
 	test -f $(SPECULATOR)/config.json || $(VENV)/bin/specserve speculator train \
 		--target qwen2.5-coder-1.5b-instruct --out $(SPECULATOR) --minutes 60 --concurrency 32
 	$(PY) bench/spec_methods.py --speculator $(SPECULATOR)
+
+# A head's EAGLE-2 dynamic token trees against its chains (the head from bench-eagle's cache,
+# trained first where it is missing).
+bench-trees-eagle: install
+	$(VENV)/bin/specserve models fetch qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct
+	test -f $(SPECULATOR)/config.json || $(VENV)/bin/specserve speculator train \
+		--target qwen2.5-coder-1.5b-instruct --out $(SPECULATOR) --minutes 60 --concurrency 32
+	$(PY) bench/spec_methods.py --trees --speculator $(SPECULATOR)
 
 # specserve (bf16, int4, int4 + speculation) against llama.cpp's server on the same GGUF files;
 # builds llama-server once from the llama-cpp-python source package, native to this CPU

@@ -5,8 +5,12 @@ suffix (suffix matches in the sequence's own text and in earlier requests' texts
 (per sequence per step, the suffix match or the draft model, whichever the cost model predicts
 pays more). With `--speculator DIR` (a head from `specserve speculator train`; `make
 bench-eagle`): plain, draft_model, eagle (the head) and hybrid_eagle (suffix matches or the
-head), the per-forward cost of the head against the target's, and an eagle RESULT line. Target and draft as `make serve` serves them by default (`--quantization auto`: int4
-on the CPU from the GGUF's blocks; the draft int4 with a 32,768-token vocabulary);
+head), the per-forward cost of the head against the target's, and an eagle RESULT line. With
+`--trees`: suffix, the draft model and hybrid with chains only and with token trees (`make
+bench-trees`); with `--trees --speculator DIR`: the head's chains against its EAGLE-2 dynamic
+trees (`make bench-trees-eagle`); both report the target pass's measured cost per row count.
+Target and draft as `make serve` serves them by default (`--quantization auto`: int4 on the
+CPU from the GGUF's blocks; the draft int4 with a 32,768-token vocabulary);
 `--quantization none` runs the bf16 target. Greedy unless stated.
 
 Workloads (prompts written for this project's benchmarks, no external dataset):
@@ -25,10 +29,11 @@ by an earlier case's text. Greedy identity: each method's token ids vs plain's.
 
     python bench/spec_methods.py [--quantization auto|int4|none] [--max-tokens 48]
                                  [--c1-prompts 4] [--repeats 2] [--quick]
-                                 [--speculator DIR]
+                                 [--speculator DIR] [--trees]
 
 Prints a table, ends with a RESULT line, writes bench/results/spec_methods.md
-(spec_methods_eagle.md with --speculator).
+(spec_methods_eagle.md with --speculator, spec_methods_trees.md with --trees,
+spec_methods_trees_eagle.md with both).
 """
 
 from __future__ import annotations
@@ -59,9 +64,12 @@ TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
 METHODS = ("plain", "draft_model", "ngram", "suffix", "hybrid")
 # with --speculator: the draft head alone, and hybrid with the head as its model source
 EAGLE_METHODS = ("plain", "draft_model", "eagle", "hybrid_eagle")
-# with --trees: suffix and hybrid with chains only (tree_max_nodes 0) and with token trees
-# (tree_max_nodes TREE_NODES)
-TREE_METHODS = ("plain", "suffix_chain", "suffix", "hybrid_chain", "hybrid")
+# with --trees: suffix, the draft model and hybrid with chains only (tree_max_nodes 0) and
+# with token trees (tree_max_nodes TREE_NODES)
+TREE_METHODS = ("plain", "suffix_chain", "suffix", "draft_model_chain", "draft_model",
+                "hybrid_chain", "hybrid")
+# with --trees --speculator: the head's chains against its EAGLE-2 dynamic trees
+TREE_EAGLE_METHODS = ("plain", "eagle_chain", "eagle")
 TREE_NODES = 16
 
 
@@ -72,43 +80,55 @@ def load_prompts(tok, path):
 
 
 def tree_result(rates: dict, accept_len: dict) -> str:
-    """Trees against chains: per workload at c=1 and c=8, suffix's and hybrid's tokens/s with
-    trees over with chains only; the suffix drafts' tokens per verification with trees and
-    with chains (over all cases); the worst tree method against plain."""
+    """Trees against chains: per workload at c=1 and c=8, each tree method's tokens/s with
+    trees over with chains only; its drafts' tokens per verification with trees and with
+    chains (over all cases); the worst tree method against plain."""
+    tree_methods = [m for m in ("suffix", "draft_model", "hybrid", "eagle")
+                    if any(k[0] == m for k in rates)]
     parts = []
     for w in ("chat", "code_edit", "repeated", "chat_t0.7"):
         for c in (1, 8):
-            for m in ("suffix", "hybrid"):
-                if (m, w, c) in rates:
+            for m in tree_methods:
+                if (m, w, c) in rates and (m + "_chain", w, c) in rates:
                     parts.append(f"tree_vs_chain_{m}_{w}_c{c}="
                                  f"{rates[m, w, c] / rates[m + '_chain', w, c]:.2f}")
 
-    def mean_len(method):
-        lens = [v for (e, m, _, _), v in accept_len.items() if e == method and m == "suffix"]
+    def mean_len(method, proposing):
+        lens = [v for (e, m, _, _), v in accept_len.items() if e == method and m == proposing]
         return sum(lens) / len(lens) if lens else 0.0
 
     worst = min(rates[m, w, c] / rates["plain", w, c] for (m, w, c) in rates
-                if m in ("suffix", "hybrid"))
-    parts += [f"tree_accept_len_suffix={mean_len('suffix'):.2f}",
-              f"chain_accept_len_suffix={mean_len('suffix_chain'):.2f}",
-              f"worst_tree_vs_plain={worst:.2f}"]
+                if m in tree_methods)
+    for m in ("suffix", "draft_model", "eagle"):
+        if m in tree_methods:
+            parts += [f"tree_accept_len_{m}={mean_len(m, m):.2f}",
+                      f"chain_accept_len_{m}={mean_len(m + '_chain', m):.2f}"]
+    parts.append(f"worst_tree_vs_plain={worst:.2f}")
     return " ".join(parts)
+
+
+def verify_costs(engine) -> str:
+    """The target pass's measured seconds per token count (one sequence: the verify cost of
+    1 + n rows), from the engine's cost model."""
+    table = engine.speculator.guard.controller.target_cost.table
+    return ", ".join(f"{n}: {1e3 * s:.1f} ms" for n, s in zip(table.sizes, table.seconds)
+                     if n <= 1 + 2 * TREE_NODES)
 
 
 def make_engine(method, target, draft, tok, k_max, draft_vocab_size, speculator=None,
                 trees=False):
     """trees: suffix and hybrid draft token trees (a "_chain" method: chains only)."""
-    heads = method in ("eagle", "hybrid_eagle")
     chains = method.endswith("_chain")
     method = method.removesuffix("_chain")
-    tree_nodes = TREE_NODES if trees and not chains and method in ("suffix", "hybrid") else 0
+    heads = method in ("eagle", "hybrid_eagle")
+    tree_nodes = TREE_NODES if trees and not chains else 0
     spec = SpeculativeConfig(method={"plain": "none", "hybrid_eagle": "hybrid"}.get(method,
                                                                                    method),
                              draft_model=DRAFT if method in ("draft_model", "hybrid") else None,
                              speculator=speculator if heads else None,
                              k_max=k_max, adaptive=True, draft_vocab_size=draft_vocab_size,
                              tree_max_nodes=tree_nodes)
-    uses_draft = method in ("draft_model", "hybrid")
+    uses_draft = method in ("draft_model", "hybrid")  # (a "_chain" method's too)
     return LLMEngine(EngineConfig(kv_cache_memory_gb=1.5, max_num_seqs=32,
                                   max_num_batched_tokens=512, speculative=spec),
                      model=target, tokenizer=tok, draft_model=draft if uses_draft else None)
@@ -227,19 +247,21 @@ def main() -> int:
                         help="a draft head for the target (specserve speculator train): run "
                              "plain, draft_model, eagle and hybrid with the head instead")
     parser.add_argument("--trees", action="store_true",
-                        help="plain, suffix and hybrid with chains only and with token trees "
+                        help="plain, suffix, draft model, hybrid: chains only and with token trees "
                              f"(tree_max_nodes 0 and {TREE_NODES})")
     parser.add_argument("--out", default=None,
                         help="results file (default bench/results/spec_methods.md, "
                              "spec_methods_eagle.md with --speculator, spec_methods_trees.md "
                              "with --trees)")
     args = parser.parse_args()
-    default_out = str(ROOT / "bench/results" / ("spec_methods_eagle.md" if args.speculator
-                                                else "spec_methods_trees.md" if args.trees
-                                                else "spec_methods.md"))
+    default_out = str(ROOT / "bench/results" / (
+        "spec_methods_trees_eagle.md" if args.speculator and args.trees
+        else "spec_methods_eagle.md" if args.speculator
+        else "spec_methods_trees.md" if args.trees else "spec_methods.md"))
     args.out = args.out or default_out
-    methods_run = EAGLE_METHODS if args.speculator else TREE_METHODS if args.trees \
-        else METHODS
+    methods_run = (TREE_EAGLE_METHODS if args.speculator and args.trees
+                   else EAGLE_METHODS if args.speculator else TREE_METHODS if args.trees
+                   else METHODS)
     target, tok, form, draft = load_pair(args)
     chat = load_prompts(tok, ROOT / "bench/prompts/chat.jsonl")
     edit = load_prompts(tok, ROOT / "bench/prompts/code_edit.jsonl")
@@ -367,7 +389,12 @@ def main() -> int:
                           torch.get_num_threads(), details, table,
                           f"worst_hybrid_vs_plain={worst:.2f} (these cases only)")
         return 0
-    if args.speculator:
+    if args.trees:
+        details.append(f"token trees of at most {TREE_NODES} nodes; the target pass's "
+                       f"measured cost by rows (one sequence, the tree engine's cost model): "
+                       f"{verify_costs(engines[methods_run[-1]])}")
+        result = "RESULT " + tree_result(rates, accept_len)
+    elif args.speculator:
         head_cost = head_vs_target_cost(engines["eagle"])
         eagle_stats = accept_len["eagle", "eagle", "chat", 1]
         details.append(f"speculator {args.speculator}: {describe_head(args.speculator)}; one "
@@ -379,8 +406,6 @@ def main() -> int:
                   f"eagle_head_cost={head_cost[0] / head_cost[1]:.3f} "
                   f"eagle_accept_len={eagle_stats:.2f} "
                   f"worst_hybrid_vs_plain={worst:.2f} worst_any_vs_plain={worst_any:.2f}")
-    elif args.trees:
-        result = "RESULT " + tree_result(rates, accept_len)
     else:
         result = (f"RESULT code_edit_hybrid={rates['hybrid', 'code_edit', 1] / rates['plain', 'code_edit', 1]:.2f} "
                   f"repeated_hybrid={rates['hybrid', 'repeated', 1] / rates['plain', 'repeated', 1]:.2f} "

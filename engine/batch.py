@@ -82,6 +82,11 @@ class RunItem:
     # positions from here on hold generated tokens (the sequence's prompt length): their rows
     # may run on the CPU row kernel (engine/attention/paged.py); None: every row is a prompt's
     prompt_len: int | None = None
+    # one node of a token tree a proposer drafts level by level (engine/spec_decode/
+    # tree_draft.py): its single token sits at position `start` (the last committed token's
+    # plus its depth) and reads, after the committed tokens, the keys at these positions of
+    # the block table (its ancestors', then its own, where its K/V is written)
+    tree_keys: tuple[int, ...] | None = None
 
 
 class Drafts:

@@ -197,9 +197,11 @@ class ModelRunner:
                 base = start + len(item.token_ids) - 1
                 positions += range(start, base + 1)
                 positions += [base + len(path) for path in drafts.paths_of(i)]
-            slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            at = range(start, end) if item.tree_keys is None else item.tree_keys[-1:]
+            slot_mapping += [table[p // bs] * bs + p % bs for p in at]
             spans.append(paged.SeqSpan(q_start, n, end, table, item.prompt_len,
-                                       None if tree is None else tuple(tree)))
+                                       None if tree is None else tuple(tree),
+                                       tree_keys=item.tree_keys))
             keep += range(q_start + n - item.num_rows, q_start + n)
             row_offsets.append(row_offsets[-1] + item.num_rows)
             q_start += n

@@ -79,6 +79,7 @@ class StaticSteps:
         lengths = num_new_tokens(items, drafts)
         return (0 < len(items) <= self.max_seqs
                 and (drafts is None or drafts.parents is None)  # token trees run eagerly
+                and all(it.tree_keys is None for it in items)
                 and all(0 < n <= self.tokens_per_seq for n in lengths)
                 and all(-(-(it.start + n) // self.runner.block_size) <= self.width
                         for it, n in zip(items, lengths)))

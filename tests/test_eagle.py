@@ -86,8 +86,11 @@ def test_training_raises_acceptance_well_above_an_untrained_head(trained, tmp_pa
     assert rates[1] > rates[0] + 0.15, rates
 
 
-@pytest.mark.parametrize("method,adaptive", [("eagle", False), ("hybrid", True)])
-def test_greedy_with_eagle_equals_plain_in_a_staggered_mixed_batch(trained, method, adaptive):
+@pytest.mark.parametrize("method,adaptive,tree", [("eagle", False, 0), ("hybrid", True, 0),
+                                                 ("eagle", False, 16), ("hybrid", True, 16)])
+def test_greedy_with_eagle_equals_plain_in_a_staggered_mixed_batch(trained, method, adaptive,
+                                                                   tree):
+    """Greedy and seeded requests, chains or (tree > 0) EAGLE-2 token trees beside chains."""
     path, _ = trained
     target = tiny_target()
     base = random_prompts([12, 7, 20], seed=9)
@@ -95,18 +98,38 @@ def test_greedy_with_eagle_equals_plain_in_a_staggered_mixed_batch(trained, meth
     params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
               SamplingParams(temperature=0.8, seed=7, max_tokens=30, ignore_eos=True)] * 5
     plain = staggered(make_engine(target), prompts, params)
-    engine = make_engine(target, method, speculator=path, k_max=4, adaptive=adaptive)
+    engine = make_engine(target, method, speculator=path, k_max=4, adaptive=adaptive,
+                         tree_max_nodes=tree)
     spec = staggered(engine, prompts, params)
     assert [o.output_token_ids for o in spec] == [o.output_token_ids for o in plain]
     st = engine.speculator.stats
     assert st.by_method["eagle"][2] > 0  # eagle drafts were accepted
+    if tree:  # the head's trees were verified (a tree of one-hot drafts: no q)
+        assert st.tree_verifications_by_method.get("eagle", 0) > 0
     if method == "hybrid":
         assert st.by_method.get("suffix", [0])[0] > 0  # the repeated prompts matched
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     assert engine.speculator.num_states == 0
 
 
-def test_eagle_stays_exact_with_preemption_and_after_prefix_cache_hits(trained):
+def test_a_heads_token_tree_accepts_more_per_step_than_its_chain(trained):
+    """EAGLE-2's dynamic tree (the head's most probable branches) against the head's chain on
+    the held-out prompts: more tokens per verification. (A node's row reading the wrong keys,
+    or a wrong parent, loses acceptance here while the output stays exact.)"""
+    path, _ = trained
+    greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    lengths = []
+    for tree in (0, 16):
+        engine = make_engine(tiny_target(), "eagle", speculator=path, k_max=4,
+                             tree_max_nodes=tree)
+        engine.generate(held_out_prompts(), greedy)
+        lengths.append(engine.speculator.stats.mean_accepted_length)
+        assert (engine.speculator.stats.num_tree_verifications > 0) == (tree > 0)
+    assert lengths[1] > 1.1 * lengths[0], lengths
+
+
+@pytest.mark.parametrize("tree", [0, 16])
+def test_eagle_stays_exact_with_preemption_and_after_prefix_cache_hits(trained, tree):
     path, _ = trained
     target = tiny_target()
     shared = random_prompts([40], seed=3)[0]
@@ -114,7 +137,7 @@ def test_eagle_stays_exact_with_preemption_and_after_prefix_cache_hits(trained):
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     plain = make_engine(target).generate(prompts, greedy)
     engine = make_engine(target, "eagle", speculator=path, k_max=4, num_blocks=24,
-                         block_size=8)
+                         block_size=8, tree_max_nodes=tree)
     first = engine.generate(prompts[:1], greedy)  # caches the shared prefix
     rest = engine.generate(prompts[1:], greedy)
     assert [o.output_token_ids for o in first + rest] == [o.output_token_ids for o in plain]
@@ -127,6 +150,8 @@ def test_eagle_stays_exact_with_preemption_and_after_prefix_cache_hits(trained):
 
 
 def test_eagle_sampled_output_keeps_the_target_distribution(tmp_path):
+    """Rejection sampling of the head's drafts: chains sampled from q (with trees on: a
+    request verified by rejection drafts a chain)."""
     target, _, prompt = distribution_pair()
     head = untrained_head(target, tmp_path / "head")
     n = 2400
@@ -135,9 +160,11 @@ def test_eagle_sampled_output_keeps_the_target_distribution(tmp_path):
         return SamplingParams(temperature=1.0, max_tokens=4, seed=seed, ignore_eos=True)
 
     plain = third_tokens(make_engine(target), prompt, [params(s) for s in range(n)])
-    engine = make_engine(target, "eagle", speculator=head, k_max=3, verification="rejection")
+    engine = make_engine(target, "eagle", speculator=head, k_max=3, verification="rejection",
+                         tree_max_nodes=8)
     spec = third_tokens(engine, prompt, [params(s) for s in range(n, 2 * n)])
     assert 0.05 < engine.speculator.stats.acceptance_rate < 0.99
+    assert engine.speculator.stats.num_tree_verifications == 0
     assert same_distribution_pvalue(plain, spec) > 0.001
 
 

@@ -102,10 +102,11 @@ def test_token_trees_under_two_ranks_equal_plain(target):
         engine.close()
 
 
-@pytest.mark.parametrize("method", ["eagle", "hybrid"])
-def test_a_draft_head_reads_the_split_targets_features_and_stays_exact(tmp_path, method):
+@pytest.mark.parametrize("method,tree", [("eagle", 0), ("hybrid", 0), ("eagle", 16)])
+def test_a_draft_head_reads_the_split_targets_features_and_stays_exact(tmp_path, method, tree):
     """The head on rank 0 reads the whole hidden states (every rank has them after each
-    reduce), and is accepted for the target it was made for although rank 0 holds a share."""
+    reduce), and is accepted for the target it was made for although rank 0 holds a share;
+    its token trees (tree > 0) too."""
     from engine.spec_decode.eagle import EagleHead, head_config, initialize_from_target, save_head
 
     target = build_tiny_model("qwen2", num_layers=4)
@@ -113,13 +114,15 @@ def test_a_draft_head_reads_the_split_targets_features_and_stays_exact(tmp_path,
     initialize_from_target(head, target)
     save_head(head, str(tmp_path / "head"))
     engine = make_engine(target, method, speculator=str(tmp_path / "head"), k_max=3,
-                         tensor_parallel_size=2)
+                         tensor_parallel_size=2, tree_max_nodes=tree)
     try:
         prompts = _prompts()
         plain = _run(engine, prompts, _plain(GREEDY), batched=False)
         assert _run(engine, prompts, GREEDY, batched=True) == plain
         drafted = {m: c[1] for m, c in engine.speculator.stats.by_method.items()}
         assert drafted.get("eagle" if method == "eagle" else "suffix", 0) > 0, drafted
+        if tree:
+            assert engine.speculator.stats.tree_verifications_by_method.get("eagle", 0) > 0
     finally:
         engine.close()
 

@@ -94,11 +94,13 @@ def test_a_tree_whose_right_branch_is_accepted_gives_plain_output_and_plain_kv(d
 
 
 @pytest.mark.parametrize("method,num_blocks", [("suffix", 256), ("hybrid", 256),
-                                               ("suffix", 20)])
+                                               ("suffix", 20), ("draft_model", 256),
+                                               ("draft_model", 20)])
 def test_greedy_and_seeded_with_trees_equal_plain_batched(method, num_blocks):
     """A staggered batch whose texts repeat with variations (an agent loop editing its own
     output): trees beside chains and plain rows, greedy and coupled seeded requests, prefix
-    cache hits (the repeats) and, with few blocks, preemptions."""
+    cache hits (the repeats) and, with few blocks, preemptions. The draft model (alone, and in
+    hybrid) drafts dynamic trees level by level."""
     target = build_tiny_model("qwen2", dtype=torch.bfloat16)
     base = random_prompts([14, 9, 20, 6], seed=21)
     variants = [b[:len(b) // 2] + [(t * 3) % 300 + 5 for t in b[len(b) // 2:]] for b in base]
@@ -108,8 +110,8 @@ def test_greedy_and_seeded_with_trees_equal_plain_batched(method, num_blocks):
               SamplingParams(temperature=0.9, seed=i, max_tokens=24, ignore_eos=True)
               for i in range(len(prompts))]
     plain = staggered(make_engine(target), prompts, params)
-    draft = build_tiny_model("qwen2", seed=1, dtype=torch.bfloat16) if method == "hybrid" \
-        else None
+    draft = build_tiny_model("qwen2", seed=1, dtype=torch.bfloat16) \
+        if method in ("hybrid", "draft_model") else None
     engine = make_engine(target, method, draft, max_num_seqs=8, tree_max_nodes=16,
                          num_blocks=num_blocks, block_size=8)
     trees = []
@@ -124,6 +126,8 @@ def test_greedy_and_seeded_with_trees_equal_plain_batched(method, num_blocks):
     spec = staggered(engine, prompts, params)
     assert [o.output_token_ids for o in spec] == [o.output_token_ids for o in plain]
     assert trees and any(trees)  # trees were verified, and paths through them accepted
+    if draft is not None:  # the draft model's own trees among them
+        assert engine.speculator.stats.tree_verifications_by_method.get("draft_model", 0) > 0
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     assert (engine.scheduler.stats.num_preemptions > 0) == (num_blocks < 100)
 
@@ -252,3 +256,37 @@ def test_a_heads_features_follow_the_accepted_path():
     entries, rows = kept[0]
     assert entries == [(a, 10, 3), (b, 20, 3)]
     assert [r[0] for r in rows] == [0, 2, 4, 5, 6, 7]  # a: row 0, nodes 1 and 3; b: all
+
+
+# -- the price of a tree's node: measured costs and calibrated confidences -------------------
+def test_a_tree_nodes_price_comes_from_the_measured_verify_costs():
+    """A node is worth its row where its chance of acceptance beats the target's marginal
+    cost per verified row at the rate the plan predicts: dearer rows, a higher bar; nothing
+    measured yet, no bar (the tree takes what its limit allows)."""
+    from engine.spec_decode.adaptive import KController
+
+    def controller(costs):
+        ctl = KController(k_max=4)
+        for tokens, seconds in costs:
+            ctl.target_cost.record(tokens, 1, seconds)
+        return ctl
+
+    assert KController(k_max=4).node_threshold([0.8], [4], 0) == 0.0
+    cheap = controller([(1, 0.050), (5, 0.065), (9, 0.090)]).node_threshold([0.8], [4], 0)
+    dear = controller([(1, 0.050), (5, 0.100), (9, 0.150)]).node_threshold([0.8], [4], 0)
+    assert 0.1 < cheap < dear < 0.6, (cheap, dear)
+
+
+def test_a_heads_tree_confidences_are_calibrated_by_what_verification_accepts():
+    from engine.config import SpeculativeConfig
+    from engine.spec_decode.guard import Choice, Guard
+    from engine.spec_decode.stats import SpecDecodeStats
+
+    guard = Guard(SpeculativeConfig(method="eagle", speculator="s"), SpecDecodeStats(k_max=4),
+                  "eagle", True, False, 128)
+    choice = Choice([4], [0], [0.7], node_threshold=0.2)
+    assert guard.tree_scale == 1.0 and guard.tree_min_prob(choice) == pytest.approx(0.2)
+    for _ in range(6):  # the head's nodes promised 4 tokens a tree, verification gave 2
+        guard.tree_verification(2, True, 4.0)
+    assert guard.tree_scale == pytest.approx(0.5)
+    assert guard.tree_min_prob(choice) == pytest.approx(0.4)  # a node needs twice the chance

@@ -408,6 +408,22 @@ class KController:
                 best_kf = [0 if i in chosen else lengths[i] for i in range(n)]
         return best_rate, best_kd, best_kf
 
+    def node_threshold(self, acceptance: list[float], ks: list[int], other_tokens: int,
+                       other_seqs: int = 0) -> float:
+        """The chance of acceptance a token tree's node must have to pay for its row: the
+        target's marginal seconds per verified token times the tokens per second the chosen
+        ks predict (as `choose` keeps a chain's positions). 0 before any cost is measured
+        (then a tree takes every node its limit allows)."""
+        n = len(acceptance)
+        if not n or not self.adaptive or self.target_cost.empty:
+            return 0.0
+        base, seqs = other_tokens + n, n + other_seqs
+        chunks = self._chunks_cost(base, seqs, n)
+        tokens = n + sum(self.gain_scale * self.predicted_accepted(a, k)
+                         for a, k in zip(acceptance, ks))
+        rate = tokens / max(self.target_cost(base + sum(ks), seqs) - chunks, 1e-9)
+        return self.target_cost.slope(base, max(n * self.k_max, n)) * rate
+
     def _trim(self, ks: list[int], acceptance: list[float], threshold: float) -> list[int]:
         """A drafting sequence keeps position j only where its gain beats its verification
         cost (`threshold`, at the plan's rate)."""

@@ -41,6 +41,7 @@ from engine.sample import sampler
 from engine.runner_plan import RunnerPlan
 from engine.sample.row_spec import by_pick, draft_stream, row_spec
 from engine.sequence import Sequence
+from engine.spec_decode import tree_draft
 from engine.spec_decode.proposer import Proposal, Proposer
 
 
@@ -56,6 +57,8 @@ def check_vocab(draft_vocab: int, target_vocab: int, tokenizer_size: int | None)
 
 
 class DraftModelProposer(Proposer):
+    trees = True
+
     def __init__(self, model: torch.nn.Module, plan: RunnerPlan, block_manager: BlockManager,
                  target_vocab_size: int, max_model_len: int, *,
                  tokenizer_size: int | None = None, seed: int = 0,
@@ -153,6 +156,40 @@ class DraftModelProposer(Proposer):
         if defer and self.stop_confidence <= 0.0:
             return self._on_device(seqs, ks, forwards, marks)
         return self._proposal(seqs, forwards, marks)
+
+    @torch.inference_mode()
+    def propose_tree(self, seqs: list[Sequence], depths: list[int], max_nodes: list[int],
+                     width: int, min_prob: float) -> Proposal:
+        """EAGLE-2's dynamic token trees (tree_draft.py) from the draft model, at most
+        depths[i] levels and max_nodes[i] nodes: it branches where its most probable token
+        leaves room for others. The draft KV is then valid up to the committed tokens only
+        (the accepted path is recomputed by the next catch-up, as a head's is)."""
+        depths = [self._tree_depth(s, d, min(width * (d - 1), m))
+                  for s, d, m in zip(seqs, depths, max_nodes)]
+        proposal = tree_draft.grow(self, self.sampler, seqs, depths, max_nodes, width,
+                                   min_prob)
+        for seq, d in zip(seqs, depths):
+            if d:
+                seq.num_draft_computed = seq.num_tokens
+        return proposal
+
+    def _tree_depth(self, seq: Sequence, depth: int, expansions: int) -> int:
+        """Reserve the slots of a tree's expanded nodes (at most `expansions`, after the
+        committed tokens); a tree of one level where the pool is short, 0 where it has none."""
+        got = self._reserve(seq, 1 + expansions)
+        return 0 if got == 0 else depth if got == 1 + expansions else 1
+
+    def first_forward(self, seqs: list[Sequence]) -> tuple[torch.Tensor, list, int]:
+        items = [RunItem(s.token_ids[s.num_draft_computed:], s.num_draft_computed,
+                         s.block_table, 1, s.num_prompt_tokens) for s in seqs]
+        logits = self._to_target_vocab(self.runner.execute(items).logits)
+        return logits, [None] * len(seqs), sum(len(it.token_ids) for it in items)
+
+    def node_forward(self, rows: list[tuple[Sequence, tree_draft.Node]]
+                     ) -> tuple[torch.Tensor, list]:
+        items = [RunItem([n.token], s.num_tokens - 1 + n.depth, s.block_table, 1,
+                         s.num_prompt_tokens, tree_keys=n.keys()) for s, n in rows]
+        return self._to_target_vocab(self.runner.execute(items).logits), [None] * len(rows)
 
     def _on_device(self, seqs: list[Sequence], ks: list[int], forwards: list["_Forward"],
                    marks: Marks) -> Proposal:

@@ -38,6 +38,7 @@ from engine.block_manager import BlockManager
 from engine.device_io import Marks, to_device
 from engine.batch import RunItem, StepLogits
 from engine.sequence import Sequence
+from engine.spec_decode import tree_draft
 from engine.spec_decode.draft_model import DraftSampler
 from engine.spec_decode.eagle import EagleHead
 from engine.spec_decode.proposer import Proposal, Proposer
@@ -46,6 +47,8 @@ ABSORB_ROWS = 64  # a sequence not drafting absorbs its waiting features once th
 
 
 class EagleProposer(Proposer):
+    trees = True
+
     def __init__(self, head: EagleHead, target: torch.nn.Module, block_manager: BlockManager,
                  target_vocab_size: int, attention_backend: str = "sdpa", *, seed: int = 0,
                  coupled: bool = True, stop_confidence: float = 0.0) -> None:
@@ -128,12 +131,15 @@ class EagleProposer(Proposer):
         the logits there over the target's vocabulary [S, V]."""
         bs = self.block_manager.block_size
         tokens, positions, slots, spans, g, last = [], [], [], [], [], []
-        for table, prompt_len, ids, start, gs in rows:
+        for table, prompt_len, ids, start, gs, tree_keys in rows:
             n = len(ids)
-            spans.append(paged.SeqSpan(len(tokens), n, start + n, table, prompt_len))
+            # a tree node's K/V sits in the slot of its own key (its last), not its position's
+            at = range(start, start + n) if tree_keys is None else tree_keys[-1:]
+            spans.append(paged.SeqSpan(len(tokens), n, start + n, table, prompt_len,
+                                       tree_keys=tree_keys))
             tokens += ids
             positions += range(start, start + n)
-            slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
+            slots += [table[p // bs] * bs + p % bs for p in at]
             g.append(gs)
             last.append(len(tokens) - 1)
         dev = self.device
@@ -223,6 +229,37 @@ class EagleProposer(Proposer):
         return Proposal(drafts, [torch.stack(p) if p and len(p) == len(d) else None
                                  for p, d in zip(probs, drafts)], forwards, marks)
 
+    @torch.inference_mode()
+    def propose_tree(self, seqs: list[Sequence], depths: list[int], max_nodes: list[int],
+                     width: int, min_prob: float) -> Proposal:
+        """EAGLE-2's dynamic token trees (tree_draft.py), at most depths[i] levels and
+        max_nodes[i] nodes: a node's row reads its token and its parent's h."""
+        depths = [self._reserve_tree(s, d, min(width * (d - 1), m))
+                  for s, d, m in zip(seqs, depths, max_nodes)]
+        return tree_draft.grow(self, self.sampler, seqs, depths, max_nodes, width, min_prob)
+
+    def first_forward(self, seqs: list[Sequence]) -> tuple[torch.Tensor, list, int]:
+        rows = [self._catch_up_rows(s, s.num_tokens) for s in seqs]
+        h, logits = self._forward(rows, keep_last=True)
+        return logits, list(h.split(1)), sum(len(r.token_ids) for r in rows)
+
+    def node_forward(self, rows: list[tuple[Sequence, tree_draft.Node]]
+                     ) -> tuple[torch.Tensor, list]:
+        h, logits = self._forward([_Rows(s.block_table, s.num_prompt_tokens, [n.token],
+                                         s.num_tokens - 1 + n.depth, n.state, n.keys())
+                                   for s, n in rows], keep_last=True)
+        return logits, list(h.split(1))
+
+    def _reserve_tree(self, seq: Sequence, depth: int, expansions: int) -> int:
+        """Reserve the slots of a tree's expanded nodes (at most `expansions`, after the
+        committed tokens: within the tree's own nodes' slots); a tree of one level where the
+        pool is short; 0 for a sequence with no head row to run."""
+        if self._reserve(seq, 1) == 0:
+            return 0
+        if depth > 1 and not self.block_manager.allocate(seq, seq.num_tokens + expansions):
+            return 1
+        return depth
+
     def _reserve(self, seq: Sequence, k: int) -> int:
         """Reserve the slots the head writes (positions up to num_tokens + k - 2); shrink k if
         the pool is short; 0 for a sequence with no head row to run."""
@@ -243,6 +280,9 @@ class _Rows(NamedTuple):
     token_ids: list[int]  # the tokens at the rows' positions
     start: int  # the first row's position
     g: torch.Tensor  # [rows, hidden] fused target features (or the previous row's h)
+    # a token tree's node (one row): the slots of its keys after the committed tokens' (its
+    # ancestors', then its own), as positions of the sequence's block table
+    tree_keys: tuple[int, ...] | None = None
 
 
 def _backend(name: str, device: torch.device, dtype: torch.dtype, head_dim: int

@@ -84,6 +84,9 @@ class Choice(NamedTuple):
     draft_ks: list[int]
     suffix_ks: list[int]
     acceptance: list[float]
+    # the least calibrated chance of acceptance that pays for a tree node's row (the
+    # proposer's trees keep the nodes above it: `tree_min_prob` turns it into its scale)
+    node_threshold: float = 0.0
 
 
 class Guard:
@@ -103,6 +106,7 @@ class Guard:
         self._last = _LastProposal()
         self._mean_output: float | None = None  # output tokens of recently finished requests
         self._since_catch_up = math.inf  # seconds of steps since a draft model catch-up
+        self._tree_sums = [0.0, 0.0]  # the proposer's trees: accepted, predicted (decayed)
 
     # -- what happened ------------------------------------------------------------------------
     def step(self, record: StepRecord, now: float) -> None:
@@ -138,6 +142,30 @@ class Guard:
             num_drafted, num_accepted,
             None if acceptance is None else self.controller.predicted_accepted(acceptance,
                                                                                num_drafted))
+
+    def tree_verification(self, num_accepted: int, rejected: bool, predicted: float) -> None:
+        """One sequence verified a token tree of the proposer whose nodes' chances summed to
+        `predicted` (the accepted tokens a tree is expected to give): calibrates them
+        (`tree_scale`); the acceptance prior counts it as a chain that went on past its
+        accepted path where it was rejected."""
+        self.controller.record_verification(num_accepted + rejected, num_accepted)
+        d = self.controller.feedback_decay
+        self._tree_sums = [self._tree_sums[0] * d + num_accepted,
+                           self._tree_sums[1] * d + predicted]
+
+    @property
+    def tree_scale(self) -> float:
+        """Accepted tokens realized / predicted by the proposer's tree nodes' probabilities
+        over recent trees (1 until there is evidence): a head's confidence is not its
+        acceptance."""
+        realized, predicted = self._tree_sums
+        if predicted < 8.0:
+            return 1.0
+        return min(max(realized / predicted, 0.25), 2.0)
+
+    def tree_min_prob(self, choice: Choice) -> float:
+        """The least probability (under the proposer) a tree node needs to be verified."""
+        return min(choice.node_threshold / self.tree_scale, 1.0)
 
     def finished(self, num_output_tokens: int) -> None:
         """A request finished (not aborted) with this many output tokens."""
@@ -188,6 +216,7 @@ class Guard:
         plan = self._planned(running, others, alphas, backlog, remaining, num_joining, free,
                              mode)
         draft_ks = [min(k, room) for k, room in zip(plan[0], rooms)]
+        threshold = ctl.node_threshold(alphas, draft_ks, plan[2], len(others))
         drafting = [b for k, b in zip(draft_ks, backlog) if k > 0]
         if any(b > CATCH_UP_TOKENS for b in drafting):
             self._since_catch_up = 0.0
@@ -195,13 +224,14 @@ class Guard:
         if not any(draft_ks):  # a step without drafts: old evidence must not keep k at 0 for good
             ctl.decay_evidence()
         self.stats.record_choice([max(a, b) for a, b in zip(draft_ks, plan[1])])
-        return Choice(draft_ks, plan[1], alphas)
+        return Choice(draft_ks, plan[1], alphas, threshold)
 
     def _planned(self, running: list[Sequence], others: list[Sequence], alphas: list[float],
                  backlog: list[int], remaining: list[int], num_joining: int,
-                 free: list[list[float]] | None, mode: str) -> tuple[list[int], list[int]]:
+                 free: list[list[float]] | None, mode: str
+                 ) -> tuple[list[int], list[int], int]:
         """(proposer k, suffix k) per candidate from the cost model, with the catch-ups it
-        may make (before the rooms cut them)."""
+        may make (before the rooms cut them), and the tokens the pass computes for others."""
         ctl = self.controller
         other_tokens = sum(min(s.num_uncomputed_tokens, self.budget) for s in others)
         pending = num_joining + sum(s.params.speculative and s.num_computed_tokens <
@@ -227,7 +257,7 @@ class Guard:
             draft_ks = self._invest(draft_ks, backlog, remaining, len(running))
         elif not affordable:  # speculate only where the draft is caught up
             draft_ks = [0 if b > CATCH_UP_TOKENS else k for k, b in zip(draft_ks, backlog)]
-        return draft_ks, suffix_ks
+        return draft_ks, suffix_ks, other_tokens
 
     def _alpha(self, seq: Sequence, prior: float) -> float:
         """The sequence's acceptance estimate for the proposer."""
@@ -235,10 +265,11 @@ class Guard:
         return AcceptanceStats(accepted, rejections).estimate(prior)
 
     def _backlog(self, backlog: int) -> int:
-        """A proposer's backlog as a catch-up: a head runs its rows of the last verification's
-        accepted tokens every step (up to k_max + 1, costed like a steady draft step); more
-        is a catch-up (a prompt)."""
-        if self.method == "eagle" and backlog <= self.config.k_max + 1:
+        """A proposer's backlog as a catch-up: a head (and a draft model drafting token trees)
+        runs its rows of the last verification's accepted tokens every step (up to k_max + 1,
+        costed like a steady draft step); more is a catch-up (a prompt)."""
+        steady = self.method == "eagle" or self.config.tree_max_nodes > 0
+        if steady and backlog <= self.config.k_max + 1:
             return min(backlog, CATCH_UP_TOKENS)
         return backlog
 

@@ -30,6 +30,10 @@ class Proposal:
     # them to the target and the verifier from there and reads them with its results
     device: torch.Tensor | None = None
     lengths: list[int] = field(default_factory=list)  # drafts per sequence (from token_ids)
+    # token trees (`propose_tree`): per sequence its drafts' parents (engine/batch.py) and
+    # each node's predicted chance of acceptance (its path's probability under the proposer)
+    parents: list[list[int]] | None = None
+    confidence: list[list[float]] | None = None
 
     def __post_init__(self) -> None:
         if self.token_ids is not None:
@@ -47,6 +51,8 @@ class Proposal:
 
 
 class Proposer(ABC):
+    trees = False  # drafts token trees too (`propose_tree`)
+
     @abstractmethod
     def propose(self, seqs: list[Sequence], ks: list[int]) -> Proposal:
         """Draft k_i tokens after each sequence's committed tokens."""

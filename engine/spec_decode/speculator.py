@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from engine.batch import Drafts, StepLogits
+from engine.batch import Drafts, StepLogits, is_chain
 from engine.block_manager import BlockManager
 from engine.device_io import to_device
 from engine.config import EngineConfig, SpeculativeConfig
@@ -55,6 +55,9 @@ class SpecState:
     device: torch.Tensor | None = None  # [k] pending drafts that only the device holds
     q: torch.Tensor | None = None  # [k, V] their draft probabilities (None: one-hot)
     parents: list[int] | None = None  # the pending drafts' token tree (None: a chain)
+    confidence: list[float] | None = None  # a proposer's tree: each node's chance (its path's
+    #                                        probability under the proposer)
+    predicted: float | None = None  # the verified tree's: the accepted tokens they predicted
     method: tuple[str, int] | None = None  # (method, suffix match length) of the pending drafts
     acceptance: float | None = None  # the estimate its last drafts were chosen on
     prediction: PredictionMatcher | None = None  # its Predicted Outputs, where it has one
@@ -114,7 +117,10 @@ class Speculator(NoSpeculation):
                  suffix: SuffixCache | None = None) -> None:
         """device: the target's (where each step's drafts go)."""
         self.config = config
-        self.tree_nodes = config.tree_max_nodes  # suffix proposals may be token trees
+        self.tree_nodes = config.tree_max_nodes  # proposals may be token trees
+        # a proposer's tree (a head's, the draft model's) expands this many nodes per level,
+        # this many children each
+        self.tree_width = max(2, min(8, self.tree_nodes // 4))
         self.device = device
         self.coupled = config.verification == "coupled"
         self.proposer = proposer  # the draft model, a head or prompt lookup; None: suffix only
@@ -150,6 +156,8 @@ class Speculator(NoSpeculation):
             read_q = k and state.q is not None and not by_pick(seq.params, self.coupled)
             per_seq.append((ids, state.q[:k] if read_q else None))
             trees.append(state.parents[:k] if k and state.parents is not None else None)
+            state.predicted = (sum(state.confidence[:k]) if k and state.confidence is not None
+                               else None)
             self._clear(state)
         return Drafts.gather(per_seq, self.device, trees)
 
@@ -222,7 +230,7 @@ class Speculator(NoSpeculation):
     @staticmethod
     def _clear(state: SpecState | None) -> None:
         if state is not None:
-            state.drafts = state.device = state.q = state.parents = None
+            state.drafts = state.device = state.q = state.parents = state.confidence = None
 
     # -- drafting -----------------------------------------------------------------------------
     def _propose(self, running: list[Sequence], num_joining: int) -> None:
@@ -259,10 +267,15 @@ class Speculator(NoSpeculation):
             if k:
                 self._set_drafts(s, match.token_ids[:k], None, (method, match.match_length),
                                  parents=match.parents[:k] if match.parents else None)
-        chosen = [(s, k) for s, k in zip(candidates, choice.draft_ks) if k > 0]
-        if chosen:
-            self._propose_with(*map(list, zip(*chosen)))
-        return [s for s, _ in chosen]
+        chosen = [(s, k, room) for s, k, room in zip(candidates, choice.draft_ks, rooms) if k > 0]
+        trees = [c for c in chosen if self._proposer_tree_ok(c[0])]
+        chains = [c for c in chosen if not self._proposer_tree_ok(c[0])]
+        if chains:
+            self._propose_with([s for s, _, _ in chains], [k for _, k, _ in chains])
+        if trees:
+            self._propose_trees([s for s, _, _ in trees], [r for _, _, r in trees],
+                                self.guard.tree_min_prob(choice))
+        return [s for s, _, _ in chosen]
 
     def _free(self, seq: Sequence, room: int) -> tuple[SuffixDraft, str]:
         """The sequence's free proposal and its method: its suffix match or its prediction's
@@ -288,6 +301,15 @@ class Speculator(NoSpeculation):
         no grammar."""
         return self.tree_nodes > 0 and seq.params.logprobs is None and seq.matcher is None
 
+    def _proposer_tree_ok(self, seq: Sequence) -> bool:
+        """The proposer drafts a token tree for the sequence (a head, the draft model;
+        `_tree_ok`) where the target's own pick verifies it (greedy, coupled seeded). Requests
+        verified by rejection sampling keep chains sampled from q: a tree of the proposer's
+        most probable tokens (one-hot drafts) is accepted with the target's probability of
+        each, far less than sampled drafts where the distribution is flat."""
+        return (self.proposer is not None and self.proposer.trees and self._tree_ok(seq)
+                and by_pick(seq.params, self.coupled))
+
     def _backlog(self, seq: Sequence) -> int:
         """Tokens the proposer must catch up on before it drafts for `seq`."""
         if self.proposer is not None:
@@ -307,9 +329,25 @@ class Speculator(NoSpeculation):
             self._set_drafts(seq, proposal.token_ids[j] if device is None else None, q,
                              (self.method, 0), device, k)
 
+    def _propose_trees(self, seqs: list[Sequence], rooms: list[int], min_prob: float) -> None:
+        """The proposer's token trees for `seqs`: as deep as k_max (or their room) allows, of
+        at most tree_max_nodes nodes inside the context, each node at least `min_prob` likely
+        (the guard's price of a row); a tree that came out a chain is verified as one."""
+        t0 = time.perf_counter()
+        proposal = self.proposer.propose_tree(
+            seqs, [min(self.config.k_max, room) for room in rooms],
+            [min(self.tree_nodes, self.max_model_len - s.num_tokens) for s in seqs],
+            self.tree_width, min_prob)
+        self.guard.drafted(proposal, time.perf_counter() - t0)
+        for seq, ids, parents, conf in zip(seqs, proposal.token_ids, proposal.parents,
+                                           proposal.confidence):
+            self._set_drafts(seq, ids, None, (self.method, 0),
+                             parents=None if is_chain(parents) else parents, confidence=conf)
+
     def _set_drafts(self, seq: Sequence, drafts: list[int] | None, q: torch.Tensor | None,
                     method: tuple[str, int], device: torch.Tensor | None = None,
-                    k: int | None = None, parents: list[int] | None = None) -> None:
+                    k: int | None = None, parents: list[int] | None = None,
+                    confidence: list[float] | None = None) -> None:
         """drafts: on the host, or None where `device` ([k]) holds them (never for a
         sequence under a grammar: the proposer reads those); parents: their token tree (on
         the host; never under a grammar), None for a chain."""
@@ -323,6 +361,7 @@ class Speculator(NoSpeculation):
         state.device = device if k else None
         state.q = q if k else None
         state.parents = parents if k else None
+        state.confidence = confidence if k else None
         state.method = method
 
     def _room(self, seq: Sequence) -> int:
@@ -354,6 +393,10 @@ class Speculator(NoSpeculation):
             return
         if method == "suffix":  # the suffix cache calibrates its own confidences
             self.suffix.record(seq, match_length, num_drafted, num_accepted, rejected)
+            return
+        predicted, state.predicted = state.predicted, None
+        if predicted is not None:  # the proposer's tree: its nodes' chances are calibrated
+            self.guard.tree_verification(num_accepted, rejected, predicted)
             return
         self.guard.verification(num_drafted, num_accepted, state.acceptance)
 

@@ -23,6 +23,7 @@ class SpecDecodeStats:
     suffix_cache_tokens: int = 0  # finished requests' tokens the suffix cache holds
     num_tree_verifications: int = 0  # verifications whose drafts were a token tree
     num_tree_nodes: int = 0  # the nodes those trees verified
+    tree_verifications_by_method: dict[str, int] = field(default_factory=dict)
     # tokens emitted by each recent verification with drafts, for a metrics consumer
     recent_lengths: deque = field(default_factory=lambda: deque(maxlen=10_000))
 
@@ -42,6 +43,8 @@ class SpecDecodeStats:
         if tree:
             self.num_tree_verifications += 1
             self.num_tree_nodes += num_drafted
+            self.tree_verifications_by_method[method] = \
+                self.tree_verifications_by_method.get(method, 0) + 1
         counts = self.by_method.setdefault(method, [0, 0, 0])
         counts[0] += 1
         counts[1] += num_drafted
