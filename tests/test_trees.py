@@ -99,14 +99,15 @@ def test_a_tree_whose_right_branch_is_accepted_gives_plain_output_and_plain_kv(d
 def test_greedy_and_seeded_with_trees_equal_plain_batched(method, num_blocks):
     """A staggered batch whose texts repeat with variations (an agent loop editing its own
     output): trees beside chains and plain rows, greedy and coupled seeded requests, prefix
-    cache hits (the repeats) and, with few blocks, preemptions. The draft model (alone, and in
-    hybrid) drafts dynamic trees level by level."""
+    cache hits (the repeats) and, with few blocks, preemptions; some ask for logprobs. The
+    draft model (alone, and in hybrid) drafts dynamic trees level by level."""
     target = build_tiny_model("qwen2", dtype=torch.bfloat16)
     base = random_prompts([14, 9, 20, 6], seed=21)
     variants = [b[:len(b) // 2] + [(t * 3) % 300 + 5 for t in b[len(b) // 2:]] for b in base]
     prompts = [b * 2 for b in base] + [v + b for v, b in zip(variants, base)]
     prompts = prompts + prompts
-    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True) if i % 2 else
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                             logprobs=2 if i % 4 == 1 else None) if i % 2 else
               SamplingParams(temperature=0.9, seed=i, max_tokens=24, ignore_eos=True)
               for i in range(len(prompts))]
     plain = staggered(make_engine(target), prompts, params)
@@ -125,6 +126,8 @@ def test_greedy_and_seeded_with_trees_equal_plain_batched(method, num_blocks):
     engine.verifier.verify = counting
     spec = staggered(engine, prompts, params)
     assert [o.output_token_ids for o in spec] == [o.output_token_ids for o in plain]
+    # logprobs read at the accepted paths' rows: plain decoding's, bit for bit
+    assert [o.logprobs for o in spec] == [o.logprobs for o in plain]
     assert trees and any(trees)  # trees were verified, and paths through them accepted
     if draft is not None:  # the draft model's own trees among them
         assert engine.speculator.stats.tree_verifications_by_method.get("draft_model", 0) > 0
@@ -272,9 +275,19 @@ def test_a_tree_nodes_price_comes_from_the_measured_verify_costs():
         return ctl
 
     assert KController(k_max=4).node_threshold([0.8], [4], 0) == 0.0
-    cheap = controller([(1, 0.050), (5, 0.065), (9, 0.090)]).node_threshold([0.8], [4], 0)
-    dear = controller([(1, 0.050), (5, 0.100), (9, 0.150)]).node_threshold([0.8], [4], 0)
-    assert 0.1 < cheap < dear < 0.6, (cheap, dear)
+    cheap = controller([(1, 0.050), (5, 0.065), (9, 0.090)])
+    dear = controller([(1, 0.050), (5, 0.100), (9, 0.150)])
+    assert 0.1 < cheap.node_threshold([0.8], [4], 0) < dear.node_threshold([0.8], [4], 0) < 0.6
+    # a level of the tree pays for its draft forward: a third of a step (the 0.5B draft
+    # model) asks for more than a head's twentieth does
+    assert cheap.level_price([0.8], [4], 0, 0, 4) == 0.0  # no draft cost measured yet
+    prices = []
+    for seconds in (0.003, 0.017):  # a head's forward of 4 rows, the draft model's
+        ctl = controller([(1, 0.050), (5, 0.065), (9, 0.090)])
+        ctl.draft_cost.record(4, 1, seconds)
+        prices.append(ctl.level_price([0.8], [4], 0, 0, 4))
+    # in tokens: the share of a 3.4-token step of 65 ms the forward costs
+    assert prices == pytest.approx([3.36 * 3 / 65, 3.36 * 17 / 65], rel=0.01)
 
 
 def test_a_heads_tree_confidences_are_calibrated_by_what_verification_accepts():
@@ -284,9 +297,69 @@ def test_a_heads_tree_confidences_are_calibrated_by_what_verification_accepts():
 
     guard = Guard(SpeculativeConfig(method="eagle", speculator="s"), SpecDecodeStats(k_max=4),
                   "eagle", True, False, 128)
-    choice = Choice([4], [0], [0.7], node_threshold=0.2)
-    assert guard.tree_scale == 1.0 and guard.tree_min_prob(choice) == pytest.approx(0.2)
+    choice = Choice([4], [0], [0.7], node_threshold=0.2, level_price=0.3)
+    assert guard.tree_scale == 1.0 and guard.tree_prices(choice) == pytest.approx((0.2, 0.3))
     for _ in range(6):  # the head's nodes promised 4 tokens a tree, verification gave 2
         guard.tree_verification(2, True, 4.0)
     assert guard.tree_scale == pytest.approx(0.5)
-    assert guard.tree_min_prob(choice) == pytest.approx(0.4)  # a node needs twice the chance
+    # a node needs twice the chance, a level twice the sum
+    assert guard.tree_prices(choice) == pytest.approx((0.4, 0.6))
+
+
+# -- dynamic trees (EAGLE-2): which nodes a proposer runs and which the tree keeps ------------
+def test_a_dynamic_tree_expands_the_most_probable_nodes_and_keeps_the_best():
+    """A proposer whose next-token probabilities are given: the first forward scores the root;
+    each level expands its `width` most probable nodes by path probability, one row each,
+    reading its ancestors' slots; the tree keeps the most probable nodes above min_prob, a
+    parent before its children."""
+    from engine.spec_decode.draft_model import DraftSampler
+    from engine.spec_decode.tree_draft import grow
+
+    vocab = 6
+
+    def dist(pairs):
+        p = torch.full((vocab,), 1e-9)
+        for t, v in pairs:
+            p[t] = v
+        return torch.log(p)
+
+    root = dist([(0, 0.6), (1, 0.3), (2, 0.1)])
+    after = {0: dist([(3, 0.9), (4, 0.1)]), 1: dist([(3, 0.6), (5, 0.4)]),
+             3: dist([(0, 0.7), (1, 0.3)])}
+
+    class Model:
+        rows: list = []
+
+        def first_forward(self, seqs):
+            return torch.stack([root] * len(seqs)), [None] * len(seqs), 7
+
+        def node_forward(self, rows):
+            self.rows.append([(n.token, n.depth, n.keys()) for _, n in rows])
+            return torch.stack([after[n.token] for _, n in rows]), [None] * len(rows)
+
+    seq = Sequence("r", list(range(7)), SamplingParams(temperature=0))
+    n = seq.num_tokens
+    model = Model()
+    proposal = grow(model, DraftSampler(vocab, torch.device("cpu"), 0, True), [seq], [3],
+                    [8], width=2, min_prob=0.1)
+    # level 2 runs the root's two best children, level 3 the two best grandchildren by path
+    # probability (0.6 x 0.9 and 0.3 x 0.6), each on its own slot after the committed tokens
+    assert model.rows == [[(0, 1, (n,)), (1, 1, (n + 1,))],
+                          [(3, 2, (n, n + 2)), (3, 2, (n + 1, n + 3))]]
+    assert proposal.token_ids == [[0, 3, 0, 1, 3, 1, 0, 5]]
+    assert proposal.parents == [[-1, 0, 1, -1, 3, 1, 4, 3]]
+    assert proposal.confidence[0] == pytest.approx([0.6, 0.54, 0.378, 0.3, 0.18, 0.162, 0.126,
+                                                    0.12], rel=1e-5)
+    assert [f[0] for f in proposal.forwards] == [7, 2, 2]  # rows per forward
+    # a tighter bar keeps fewer nodes and expands fewer
+    model.rows = []
+    proposal = grow(model, DraftSampler(vocab, torch.device("cpu"), 0, True), [seq], [3],
+                    [8], width=2, min_prob=0.5)
+    assert proposal.token_ids == [[0, 3]] and proposal.parents == [[-1, 0]]
+    assert model.rows == [[(0, 1, (n,))], [(3, 2, (n, n + 1))]]
+    # a level is drafted only where what it expands may add enough: 0.6 + 0.3 does, the
+    # next level's 0.54 + 0.18 does not
+    model.rows = []
+    proposal = grow(model, DraftSampler(vocab, torch.device("cpu"), 0, True), [seq], [3],
+                    [8], width=2, min_prob=0.1, min_level=0.85)
+    assert len(model.rows) == 1 and proposal.token_ids == [[0, 3, 1, 3, 5]]

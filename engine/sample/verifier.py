@@ -104,24 +104,23 @@ class Verifier:
             if tree is None:
                 rows += [row_spec(o.seq, j, host) for j in range(o.k + 1)]
             else:  # a node's row follows its path: its position, its history
-                assert host is not None and o.seq.params.logprobs is None, \
-                    "a token tree's drafts are on the host, and no logprobs are asked of it"
+                assert host is not None, "a token tree's drafts are on the host"
                 rows.append(row_spec(o.seq, 0, host))
                 rows += [row_spec(o.seq, len(path), [host[a] for a in path]) for path in tree]
         emitted, nodes = self._emitted(owners, rows, logits, drafts, masks)
-        lp = self._logprob_tensors(owners, emitted, logits)
+        lp = self._logprob_tensors(owners, emitted, logits, drafts)
         ended = self.marks.mark()
         host = device_io.lists(emitted, nodes, *(lp or (None, None, None)))
         emitted_lists = rejection_sampler.to_lists(host[0])
-        for o, toks, lps in zip(owners, emitted_lists,
-                                self._logprobs(owners, emitted_lists, host[2:])):
-            tokens[o.index], logprobs[o.index] = toks, lps
         paths: list[list[int] | None] | None = None if nodes is None else [None for _ in seqs]
         if paths is not None:
             for o, node in zip(owners, host[1]):
                 tree = drafts.paths_of(o.index) if o.k else None
                 if tree is not None:
                     paths[o.index] = tree[node] if node >= 0 else []
+        for o, toks, lps in zip(owners, emitted_lists,
+                                self._logprobs(owners, emitted_lists, host[2:], paths)):
+            tokens[o.index], logprobs[o.index] = toks, lps
         return Verified(tokens, logprobs, ended, paths)
 
     def _emitted(self, owners: list[_Owner], rows: list[sampler.RowSpec], logits: torch.Tensor,
@@ -201,15 +200,19 @@ class Verifier:
             default_generator=self.generator, picks=picks)
 
     def _logprob_tensors(self, owners: list[_Owner], emitted: torch.Tensor,
-                         logits: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+                         logits: torch.Tensor, drafts: Drafts | None
+                         ) -> tuple[torch.Tensor, ...] | None:
         """On the device, the logprobs at every row of the owners that asked for them, of the
-        token emitted there (rows after the last emitted token are computed and dropped)."""
+        token emitted there (rows after the last emitted token are computed and dropped). A
+        token tree's node row is read with the token emitted at its depth: right where the
+        node is on the accepted path, and dropped where it is not (`_logprobs`)."""
         rows, at_owner, at_index, top = [], [], [], 0
         for b, o in enumerate(owners):
             if o.seq.params.logprobs is not None:
                 rows += range(o.first_row, o.first_row + o.k + 1)
                 at_owner += [b] * (o.k + 1)
-                at_index += range(o.k + 1)
+                tree = drafts.paths_of(o.index) if o.k else None
+                at_index += range(o.k + 1) if tree is None else [0, *map(len, tree)]
                 top = max(top, o.seq.params.logprobs)
         if not rows:
             return None
@@ -218,10 +221,11 @@ class Verifier:
         return sampler.logprob_tensors(logits[index[0]], tokens, top)
 
     @staticmethod
-    def _logprobs(owners: list[_Owner], emitted: list[list[int]],
-                  host: list) -> list[list | None]:
+    def _logprobs(owners: list[_Owner], emitted: list[list[int]], host: list,
+                  paths: list[list[int] | None] | None) -> list[list | None]:
         """Per owner, the logprobs of its emitted tokens (None unless it asked for them), from
-        the host lists of `_logprob_tensors`."""
+        the host lists of `_logprob_tensors` (a token tree's: its root's row, then its
+        accepted path's nodes' rows)."""
         if host[0] is None:
             return [None] * len(owners)
         chosen, vals, ids = host
@@ -233,7 +237,10 @@ class Verifier:
                 result.append(None)
                 continue
             m = len(toks)
-            result.append(sampler.logprob_entries(chosen[at:at + m], vals[at:at + m],
-                                                  ids[at:at + m], [n] * m))
+            path = paths[o.index] if paths is not None else None
+            pick = range(at, at + m) if path is None else [at, *(at + 1 + a for a in path)]
+            result.append(sampler.logprob_entries([chosen[r] for r in pick],
+                                                  [vals[r] for r in pick],
+                                                  [ids[r] for r in pick], [n] * m))
             at += o.k + 1
         return result

@@ -414,15 +414,35 @@ class KController:
         target's marginal seconds per verified token times the tokens per second the chosen
         ks predict (as `choose` keeps a chain's positions). 0 before any cost is measured
         (then a tree takes every node its limit allows)."""
+        rate = self._chosen_rate(acceptance, ks, other_tokens, other_seqs)
+        if rate is None:
+            return 0.0
+        n = len(acceptance)
+        return self.target_cost.slope(other_tokens + n, max(n * self.k_max, n)) * rate
+
+    def level_price(self, acceptance: list[float], ks: list[int], other_tokens: int,
+                    other_seqs: int, width: int) -> float:
+        """The accepted tokens one more level of a drafting sequence's token tree must be
+        expected to add to pay for its draft forward (`width` rows per drafting sequence; its
+        share of the batch's forward), at the rate the chosen ks predict. 0 for a free
+        proposer or before any cost is measured."""
+        rate = self._chosen_rate(acceptance, ks, other_tokens, other_seqs)
+        m = sum(k > 0 for k in ks)
+        if rate is None or not m or self.draft_cost_free or self.draft_cost.empty:
+            return 0.0
+        return rate * self.draft_cost(width * m, m) / m
+
+    def _chosen_rate(self, acceptance: list[float], ks: list[int], other_tokens: int,
+                     other_seqs: int) -> float | None:
+        """Tokens per second the chosen ks predict for the target pass (None: unmeasured)."""
         n = len(acceptance)
         if not n or not self.adaptive or self.target_cost.empty:
-            return 0.0
+            return None
         base, seqs = other_tokens + n, n + other_seqs
         chunks = self._chunks_cost(base, seqs, n)
         tokens = n + sum(self.gain_scale * self.predicted_accepted(a, k)
                          for a, k in zip(acceptance, ks))
-        rate = tokens / max(self.target_cost(base + sum(ks), seqs) - chunks, 1e-9)
-        return self.target_cost.slope(base, max(n * self.k_max, n)) * rate
+        return tokens / max(self.target_cost(base + sum(ks), seqs) - chunks, 1e-9)
 
     def _trim(self, ks: list[int], acceptance: list[float], threshold: float) -> list[int]:
         """A drafting sequence keeps position j only where its gain beats its verification

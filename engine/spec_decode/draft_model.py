@@ -159,7 +159,7 @@ class DraftModelProposer(Proposer):
 
     @torch.inference_mode()
     def propose_tree(self, seqs: list[Sequence], depths: list[int], max_nodes: list[int],
-                     width: int, min_prob: float) -> Proposal:
+                     width: int, min_prob: float, min_level: float = 0.0) -> Proposal:
         """EAGLE-2's dynamic token trees (tree_draft.py) from the draft model, at most
         depths[i] levels and max_nodes[i] nodes: it branches where its most probable token
         leaves room for others. The draft KV is then valid up to the committed tokens only
@@ -167,7 +167,7 @@ class DraftModelProposer(Proposer):
         depths = [self._tree_depth(s, d, min(width * (d - 1), m))
                   for s, d, m in zip(seqs, depths, max_nodes)]
         proposal = tree_draft.grow(self, self.sampler, seqs, depths, max_nodes, width,
-                                   min_prob)
+                                   min_prob, min_level)
         for seq, d in zip(seqs, depths):
             if d:
                 seq.num_draft_computed = seq.num_tokens

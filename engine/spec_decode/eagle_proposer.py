@@ -231,12 +231,13 @@ class EagleProposer(Proposer):
 
     @torch.inference_mode()
     def propose_tree(self, seqs: list[Sequence], depths: list[int], max_nodes: list[int],
-                     width: int, min_prob: float) -> Proposal:
+                     width: int, min_prob: float, min_level: float = 0.0) -> Proposal:
         """EAGLE-2's dynamic token trees (tree_draft.py), at most depths[i] levels and
         max_nodes[i] nodes: a node's row reads its token and its parent's h."""
         depths = [self._reserve_tree(s, d, min(width * (d - 1), m))
                   for s, d, m in zip(seqs, depths, max_nodes)]
-        return tree_draft.grow(self, self.sampler, seqs, depths, max_nodes, width, min_prob)
+        return tree_draft.grow(self, self.sampler, seqs, depths, max_nodes, width, min_prob,
+                               min_level)
 
     def first_forward(self, seqs: list[Sequence]) -> tuple[torch.Tensor, list, int]:
         rows = [self._catch_up_rows(s, s.num_tokens) for s in seqs]

@@ -84,9 +84,11 @@ class Choice(NamedTuple):
     draft_ks: list[int]
     suffix_ks: list[int]
     acceptance: list[float]
-    # the least calibrated chance of acceptance that pays for a tree node's row (the
-    # proposer's trees keep the nodes above it: `tree_min_prob` turns it into its scale)
+    # the proposer's token trees (`tree_prices` turns these into its probabilities): the
+    # least calibrated chance of acceptance that pays for a node's row, and the accepted
+    # tokens one more level must be expected to add to pay for its draft forward
     node_threshold: float = 0.0
+    level_price: float = 0.0
 
 
 class Guard:
@@ -107,6 +109,9 @@ class Guard:
         self._mean_output: float | None = None  # output tokens of recently finished requests
         self._since_catch_up = math.inf  # seconds of steps since a draft model catch-up
         self._tree_sums = [0.0, 0.0]  # the proposer's trees: accepted, predicted (decayed)
+        # a proposer's tree (a head's, the draft model's) expands this many nodes per level,
+        # this many children each
+        self.tree_width = max(2, min(8, config.tree_max_nodes // 4))
 
     # -- what happened ------------------------------------------------------------------------
     def step(self, record: StepRecord, now: float) -> None:
@@ -163,9 +168,11 @@ class Guard:
             return 1.0
         return min(max(realized / predicted, 0.25), 2.0)
 
-    def tree_min_prob(self, choice: Choice) -> float:
-        """The least probability (under the proposer) a tree node needs to be verified."""
-        return min(choice.node_threshold / self.tree_scale, 1.0)
+    def tree_prices(self, choice: Choice) -> tuple[float, float]:
+        """Under the proposer's own probabilities: the least a tree node needs to be verified,
+        and the least the nodes a level expands must sum to for the level to be drafted."""
+        return (min(choice.node_threshold / self.tree_scale, 1.0),
+                choice.level_price / self.tree_scale)
 
     def finished(self, num_output_tokens: int) -> None:
         """A request finished (not aborted) with this many output tokens."""
@@ -217,6 +224,7 @@ class Guard:
                              mode)
         draft_ks = [min(k, room) for k, room in zip(plan[0], rooms)]
         threshold = ctl.node_threshold(alphas, draft_ks, plan[2], len(others))
+        level = ctl.level_price(alphas, draft_ks, plan[2], len(others), self.tree_width)
         drafting = [b for k, b in zip(draft_ks, backlog) if k > 0]
         if any(b > CATCH_UP_TOKENS for b in drafting):
             self._since_catch_up = 0.0
@@ -224,7 +232,7 @@ class Guard:
         if not any(draft_ks):  # a step without drafts: old evidence must not keep k at 0 for good
             ctl.decay_evidence()
         self.stats.record_choice([max(a, b) for a, b in zip(draft_ks, plan[1])])
-        return Choice(draft_ks, plan[1], alphas, threshold)
+        return Choice(draft_ks, plan[1], alphas, threshold, level)
 
     def _planned(self, running: list[Sequence], others: list[Sequence], alphas: list[float],
                  backlog: list[int], remaining: list[int], num_joining: int,

@@ -118,9 +118,6 @@ class Speculator(NoSpeculation):
         """device: the target's (where each step's drafts go)."""
         self.config = config
         self.tree_nodes = config.tree_max_nodes  # proposals may be token trees
-        # a proposer's tree (a head's, the draft model's) expands this many nodes per level,
-        # this many children each
-        self.tree_width = max(2, min(8, self.tree_nodes // 4))
         self.device = device
         self.coupled = config.verification == "coupled"
         self.proposer = proposer  # the draft model, a head or prompt lookup; None: suffix only
@@ -274,7 +271,7 @@ class Speculator(NoSpeculation):
             self._propose_with([s for s, _, _ in chains], [k for _, k, _ in chains])
         if trees:
             self._propose_trees([s for s, _, _ in trees], [r for _, _, r in trees],
-                                self.guard.tree_min_prob(choice))
+                                *self.guard.tree_prices(choice))
         return [s for s, _, _ in chosen]
 
     def _free(self, seq: Sequence, room: int) -> tuple[SuffixDraft, str]:
@@ -297,9 +294,8 @@ class Speculator(NoSpeculation):
         return best, method
 
     def _tree_ok(self, seq: Sequence) -> bool:
-        """The sequence's suffix drafts may be a token tree: trees are on, no logprobs asked,
-        no grammar."""
-        return self.tree_nodes > 0 and seq.params.logprobs is None and seq.matcher is None
+        """The sequence's drafts may be a token tree: trees are on, no grammar."""
+        return self.tree_nodes > 0 and seq.matcher is None
 
     def _proposer_tree_ok(self, seq: Sequence) -> bool:
         """The proposer drafts a token tree for the sequence (a head, the draft model;
@@ -329,15 +325,17 @@ class Speculator(NoSpeculation):
             self._set_drafts(seq, proposal.token_ids[j] if device is None else None, q,
                              (self.method, 0), device, k)
 
-    def _propose_trees(self, seqs: list[Sequence], rooms: list[int], min_prob: float) -> None:
+    def _propose_trees(self, seqs: list[Sequence], rooms: list[int], min_prob: float,
+                       min_level: float) -> None:
         """The proposer's token trees for `seqs`: as deep as k_max (or their room) allows, of
         at most tree_max_nodes nodes inside the context, each node at least `min_prob` likely
-        (the guard's price of a row); a tree that came out a chain is verified as one."""
+        (the guard's price of a row), a level only where its nodes sum to `min_level` (the
+        price of a draft forward); a tree that came out a chain is verified as one."""
         t0 = time.perf_counter()
         proposal = self.proposer.propose_tree(
             seqs, [min(self.config.k_max, room) for room in rooms],
             [min(self.tree_nodes, self.max_model_len - s.num_tokens) for s in seqs],
-            self.tree_width, min_prob)
+            self.guard.tree_width, min_prob, min_level)
         self.guard.drafted(proposal, time.perf_counter() - t0)
         for seq, ids, parents, conf in zip(seqs, proposal.token_ids, proposal.parents,
                                            proposal.confidence):

@@ -67,9 +67,12 @@ class TreeModel(Protocol):
 
 
 def grow(model: TreeModel, draft_sampler, seqs: list[Sequence], depths: list[int],
-         max_nodes: list[int], width: int, min_prob: float) -> Proposal:
+         max_nodes: list[int], width: int, min_prob: float, min_level: float = 0.0
+         ) -> Proposal:
     """Token trees of at most depths[i] levels and max_nodes[i] nodes for `seqs` (0 levels:
-    none; the proposer reserved the slots: at most max_nodes[i] nodes expand)."""
+    none; the proposer reserved the slots: at most max_nodes[i] nodes expand). A level is
+    drafted only where the nodes it expands sum to at least `min_level` (their children's
+    chances can sum to no more: what one more draft forward may add)."""
     marks, forwards = Marks(draft_sampler.device), []
     nodes: list[list[Node]] = [[] for _ in seqs]  # per sequence, every scored node
     owners: list[tuple[int, Node | None]] = [(i, None) for i, d in enumerate(depths) if d > 0]
@@ -98,9 +101,13 @@ def grow(model: TreeModel, draft_sampler, seqs: list[Sequence], depths: list[int
         for i, level_nodes in fresh.items():
             if level >= depths[i]:
                 continue
-            for n in sorted(level_nodes, key=lambda n: -n.logp)[:width]:
-                if math.exp(n.logp) < min_prob or expanded[i] >= max_nodes[i]:
-                    break  # (its children are no more probable; the slots end)
+            best = sorted(level_nodes, key=lambda n: -n.logp)[:width]
+            # (a node's children are no more probable than it; the slots end)
+            best = [n for n in best if math.exp(n.logp) >= min_prob]
+            best = best[:max_nodes[i] - expanded[i]]
+            if sum(math.exp(n.logp) for n in best) < min_level:
+                continue
+            for n in best:
                 n.slot = seqs[i].num_tokens + expanded[i]
                 expanded[i] += 1
                 owners.append((i, n))
