@@ -49,10 +49,9 @@ class SpeculativeConfig:
     suffix_spec_factor: float = 1.0  # at most this x the match length
     suffix_min_token_prob: float = 0.1  # stop where the continuation's frequency falls below
     # token trees: a suffix proposal may branch where its earlier occurrences continue
-    # differently, a draft head drafts EAGLE-2 dynamic trees (several continuations verified
-    # in one forward, the most likely first); at most this many nodes per sequence and step
-    # (0: chains only, the default; at most 64). Requests under a grammar get chains
-    # (docs/speculation.md).
+    # differently, a draft head and the draft model draft EAGLE-2 dynamic trees (several
+    # continuations verified in one forward, the most likely first); at most this many nodes
+    # per sequence and step (0: chains only, the default; at most 64; docs/speculation.md).
     tree_max_nodes: int = 0
     # how a seeded sampled request's drafts are verified: "coupled" accepts a draft iff the
     # target's own position-keyed race picks it, so the output is exactly the output without

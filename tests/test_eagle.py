@@ -180,7 +180,10 @@ def test_eagle_with_a_vocabulary_subset_and_penalties_stays_exact(tmp_path):
     assert [o.output_token_ids for o in spec] == [o.output_token_ids for o in plain]
 
 
-def test_eagle_under_a_grammar_stays_exact(trained):
+@pytest.mark.parametrize("tree", [0, 16])
+def test_eagle_under_a_grammar_stays_exact(trained, tree):
+    """Chains cut at the first token the grammar refuses; trees (tree > 0) cut to the nodes
+    whose paths it allows, verified with each node's mask after its path."""
     from engine import EngineConfig, LLMEngine, structured
     from engine.config import SpeculativeConfig
 
@@ -198,9 +201,11 @@ def test_eagle_under_a_grammar_stays_exact(trained):
 
     _, plain = run(SpeculativeConfig())
     engine, spec = run(SpeculativeConfig(method="eagle", speculator=path, k_max=4,
-                                         adaptive=False, calibrate=False))
+                                         adaptive=False, calibrate=False,
+                                         tree_max_nodes=tree))
     assert [o.output_token_ids for o in spec] == [o.output_token_ids for o in plain]
     assert engine.speculator.stats.num_draft_tokens > 0
+    assert (engine.speculator.stats.num_tree_verifications > 0) == (tree > 0)
 
 
 def _engine_error(path) -> str:

@@ -32,9 +32,10 @@ def tok():
     return build_tokenizer()
 
 
-def engine(tok, method="none", model=None, draft=None, **kw):
+def engine(tok, method="none", model=None, draft=None, tree=0, **kw):
     spec = SpeculativeConfig(method=method, k_max=4, adaptive=False, calibrate=False,
-                             draft_model="in-memory" if method == "draft_model" else None)
+                             draft_model="in-memory" if method == "draft_model" else None,
+                             tree_max_nodes=tree)
     model = model if model is not None else build_tiny_model("qwen2", vocab_size=len(tok))
     if method == "draft_model" and draft is None:
         draft = build_tiny_model("qwen2", vocab_size=len(tok), seed=3)
@@ -50,19 +51,23 @@ def requests(grammar):
     return ["hello world", "def add(a, b):", "Speculative decoding drafts"] * 2, greedy + seeded
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
-def test_json_schema_output_is_valid_and_identical_with_speculation(tok, method):
+@pytest.mark.parametrize("method,tree", [("ngram", 0), ("draft_model", 0),
+                                         ("draft_model", 16)])
+def test_json_schema_output_is_valid_and_identical_with_speculation(tok, method, tree):
+    """tree > 0: the draft model's token trees, cut to the nodes whose paths the grammar
+    allows and verified with each node's mask after its path."""
     grammar = structured.json_schema(SCHEMA)
     prompts, params = requests(grammar)
     model = build_tiny_model("qwen2", vocab_size=len(tok))
     plain = engine(tok, model=model).generate(prompts, params)
-    spec_engine = engine(tok, method, model=model)
+    spec_engine = engine(tok, method, model=model, tree=tree)
     spec = spec_engine.generate(prompts, params)
     for a, b in zip(plain, spec):
         assert a.finish_reason == "stop", a.text
         jsonschema.validate(json.loads(a.text), SCHEMA)
         assert a.output_token_ids == b.output_token_ids  # greedy and seeded: exact
     assert spec_engine.speculator.stats.num_accepted_tokens > 0  # speculation did run
+    assert (spec_engine.speculator.stats.num_tree_verifications > 0) == (tree > 0)
     assert spec_engine.num_grammar_requests == len(prompts)
     assert spec_engine.grammar_mask_seconds > 0
 

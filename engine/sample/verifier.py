@@ -72,13 +72,19 @@ class Verifier:
     def grammar_masks(self, seqs: list[Sequence], num_rows: list[int],
                       drafts: Drafts | None) -> GrammarMasks | None:
         """Start computing the grammar masks of the step's constrained rows (the last committed
-        token and each draft of a sequence with a grammar) in a thread: llguidance releases
-        the GIL, so they overlap the target's forward. num_rows: per sequence its rows."""
+        token and each draft of a sequence with a grammar; a token tree's node after its path)
+        in a thread: llguidance releases the GIL, so they overlap the target's forward.
+        num_rows: per sequence its rows."""
         rows, index, row = [], [], 0
         for i, (seq, n) in enumerate(zip(seqs, num_rows)):
             if n and seq.matcher is not None:
                 pending = drafts.host_of(i) if drafts is not None else []
-                rows += [(seq.matcher, pending[:j]) for j in range(n)]
+                tree = drafts.paths_of(i) if drafts is not None and n > 1 else None
+                if tree is None:
+                    rows += [(seq.matcher, pending[:j]) for j in range(n)]
+                else:  # a token tree's node: the grammar after its path
+                    rows.append((seq.matcher, []))
+                    rows += [(seq.matcher, [pending[a] for a in path]) for path in tree]
                 index += range(row, row + n)
             row += n
         if not rows:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from engine.batch import Drafts, StepLogits, is_chain
+from engine.batch import ROOT, Drafts, StepLogits, is_chain, tree_paths
 from engine.block_manager import BlockManager
 from engine.device_io import to_device
 from engine.config import EngineConfig, SpeculativeConfig
@@ -294,8 +294,8 @@ class Speculator(NoSpeculation):
         return best, method
 
     def _tree_ok(self, seq: Sequence) -> bool:
-        """The sequence's drafts may be a token tree: trees are on, no grammar."""
-        return self.tree_nodes > 0 and seq.matcher is None
+        """The sequence's drafts may be a token tree: trees are on."""
+        return self.tree_nodes > 0
 
     def _proposer_tree_ok(self, seq: Sequence) -> bool:
         """The proposer drafts a token tree for the sequence (a head, the draft model;
@@ -348,8 +348,12 @@ class Speculator(NoSpeculation):
                     confidence: list[float] | None = None) -> None:
         """drafts: on the host, or None where `device` ([k]) holds them (never for a
         sequence under a grammar: the proposer reads those); parents: their token tree (on
-        the host; never under a grammar), None for a chain."""
-        if seq.matcher is not None and drafts:  # structured output: drafts the grammar
+        the host, one-hot: no q), None for a chain. Under a grammar, drafts keep what it
+        allows: a chain to its first refused token, a tree the nodes whose paths it allows."""
+        if seq.matcher is not None and drafts and parents is not None:
+            drafts, parents, confidence = _grammar_tree(seq.matcher, drafts, parents,
+                                                        confidence)
+        elif seq.matcher is not None and drafts:  # structured output: drafts the grammar
             valid = seq.matcher.validate_tokens(list(drafts))  # allows, to the first not
             drafts, q = drafts[:valid], (None if q is None else q[:valid])
         k = len(drafts) if drafts is not None else k
@@ -397,6 +401,26 @@ class Speculator(NoSpeculation):
             self.guard.tree_verification(num_accepted, rejected, predicted)
             return
         self.guard.verification(num_drafted, num_accepted, state.acceptance)
+
+
+def _grammar_tree(matcher, ids: list[int], parents: list[int],
+                  confidence: list[float] | None
+                  ) -> tuple[list[int], list[int] | None, list[float] | None]:
+    """A token tree cut to the nodes whose paths the grammar allows from the matcher's state
+    (a refused node's subtree goes with it), in the same order; its parents (None where what
+    is left is a chain) and confidences."""
+    keep: list[int] = []
+    where: dict[int, int] = {}  # kept node -> its index in what is left
+    for j, path in enumerate(tree_paths(parents)):
+        if parents[j] != ROOT and parents[j] not in where:
+            continue  # its parent was refused
+        tokens = [ids[a] for a in path]
+        if matcher.validate_tokens(tokens) == len(tokens):
+            where[j] = len(keep)
+            keep.append(j)
+    kept = [ROOT if parents[j] == ROOT else where[parents[j]] for j in keep]
+    return ([ids[j] for j in keep], None if is_chain(kept) else kept,
+            None if confidence is None else [confidence[j] for j in keep])
 
 
 def build_speculator(config: EngineConfig, plan: RunnerPlan, target: ModelRunner,
