@@ -274,18 +274,24 @@ def test_a_tree_nodes_price_comes_from_the_measured_verify_costs():
             ctl.target_cost.record(tokens, 1, seconds)
         return ctl
 
-    assert KController(k_max=4).node_threshold([0.8], [4], 0) == 0.0
+    def node(ctl):
+        return ctl.tree_prices([0.8], [4], 0, 0, 4)[0]
+
+    def level(ctl):
+        return ctl.tree_prices([0.8], [4], 0, 0, 4)[1]
+
+    assert node(KController(k_max=4)) == 0.0
     cheap = controller([(1, 0.050), (5, 0.065), (9, 0.090)])
     dear = controller([(1, 0.050), (5, 0.100), (9, 0.150)])
-    assert 0.1 < cheap.node_threshold([0.8], [4], 0) < dear.node_threshold([0.8], [4], 0) < 0.6
+    assert 0.1 < node(cheap) < node(dear) < 0.6
     # a level of the tree pays for its draft forward: a third of a step (the 0.5B draft
     # model) asks for more than a head's twentieth does
-    assert cheap.level_price([0.8], [4], 0, 0, 4) == 0.0  # no draft cost measured yet
+    assert level(cheap) == 0.0  # no draft cost measured yet
     prices = []
     for seconds in (0.003, 0.017):  # a head's forward of 4 rows, the draft model's
         ctl = controller([(1, 0.050), (5, 0.065), (9, 0.090)])
         ctl.draft_cost.record(4, 1, seconds)
-        prices.append(ctl.level_price([0.8], [4], 0, 0, 4))
+        prices.append(level(ctl))
     # in tokens: the share of a 3.4-token step of 65 ms the forward costs
     assert prices == pytest.approx([3.36 * 3 / 65, 3.36 * 17 / 65], rel=0.01)
 

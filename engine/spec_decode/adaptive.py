@@ -408,29 +408,23 @@ class KController:
                 best_kf = [0 if i in chosen else lengths[i] for i in range(n)]
         return best_rate, best_kd, best_kf
 
-    def node_threshold(self, acceptance: list[float], ks: list[int], other_tokens: int,
-                       other_seqs: int = 0) -> float:
-        """The chance of acceptance a token tree's node must have to pay for its row: the
-        target's marginal seconds per verified token times the tokens per second the chosen
-        ks predict (as `choose` keeps a chain's positions). 0 before any cost is measured
-        (then a tree takes every node its limit allows)."""
+    def tree_prices(self, acceptance: list[float], ks: list[int], other_tokens: int,
+                    other_seqs: int, width: int) -> tuple[float, float]:
+        """What a drafting sequence's token tree must pay for, at the tokens per second the
+        chosen ks predict: (1) the chance of acceptance a node needs for its row, the target's
+        marginal seconds per verified token times that rate (as `choose` keeps a chain's
+        positions); (2) the accepted tokens one more level must be expected to add for its
+        draft forward (`width` rows per drafting sequence; its share of the batch's forward).
+        0 before a cost is measured (then a tree takes every node its limit allows) and, for
+        the level, for a free proposer."""
         rate = self._chosen_rate(acceptance, ks, other_tokens, other_seqs)
         if rate is None:
-            return 0.0
-        n = len(acceptance)
-        return self.target_cost.slope(other_tokens + n, max(n * self.k_max, n)) * rate
-
-    def level_price(self, acceptance: list[float], ks: list[int], other_tokens: int,
-                    other_seqs: int, width: int) -> float:
-        """The accepted tokens one more level of a drafting sequence's token tree must be
-        expected to add to pay for its draft forward (`width` rows per drafting sequence; its
-        share of the batch's forward), at the rate the chosen ks predict. 0 for a free
-        proposer or before any cost is measured."""
-        rate = self._chosen_rate(acceptance, ks, other_tokens, other_seqs)
-        m = sum(k > 0 for k in ks)
-        if rate is None or not m or self.draft_cost_free or self.draft_cost.empty:
-            return 0.0
-        return rate * self.draft_cost(width * m, m) / m
+            return 0.0, 0.0
+        n, m = len(acceptance), sum(k > 0 for k in ks)
+        node = self.target_cost.slope(other_tokens + n, max(n * self.k_max, n)) * rate
+        if not m or self.draft_cost_free or self.draft_cost.empty:
+            return node, 0.0
+        return node, rate * self.draft_cost(width * m, m) / m
 
     def _chosen_rate(self, acceptance: list[float], ks: list[int], other_tokens: int,
                      other_seqs: int) -> float | None:

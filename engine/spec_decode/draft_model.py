@@ -164,20 +164,13 @@ class DraftModelProposer(Proposer):
         depths[i] levels and max_nodes[i] nodes: it branches where its most probable token
         leaves room for others. The draft KV is then valid up to the committed tokens only
         (the accepted path is recomputed by the next catch-up, as a head's is)."""
-        depths = [self._tree_depth(s, d, min(width * (d - 1), m))
-                  for s, d, m in zip(seqs, depths, max_nodes)]
+        depths = tree_draft.reserve_depths(self._reserve, seqs, depths, max_nodes, width)
         proposal = tree_draft.grow(self, self.sampler, seqs, depths, max_nodes, width,
                                    min_prob, min_level)
         for seq, d in zip(seqs, depths):
             if d:
                 seq.num_draft_computed = seq.num_tokens
         return proposal
-
-    def _tree_depth(self, seq: Sequence, depth: int, expansions: int) -> int:
-        """Reserve the slots of a tree's expanded nodes (at most `expansions`, after the
-        committed tokens); a tree of one level where the pool is short, 0 where it has none."""
-        got = self._reserve(seq, 1 + expansions)
-        return 0 if got == 0 else depth if got == 1 + expansions else 1
 
     def first_forward(self, seqs: list[Sequence]) -> tuple[torch.Tensor, list, int]:
         items = [RunItem(s.token_ids[s.num_draft_computed:], s.num_draft_computed,

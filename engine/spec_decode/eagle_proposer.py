@@ -234,8 +234,7 @@ class EagleProposer(Proposer):
                      width: int, min_prob: float, min_level: float = 0.0) -> Proposal:
         """EAGLE-2's dynamic token trees (tree_draft.py), at most depths[i] levels and
         max_nodes[i] nodes: a node's row reads its token and its parent's h."""
-        depths = [self._reserve_tree(s, d, min(width * (d - 1), m))
-                  for s, d, m in zip(seqs, depths, max_nodes)]
+        depths = tree_draft.reserve_depths(self._reserve, seqs, depths, max_nodes, width)
         return tree_draft.grow(self, self.sampler, seqs, depths, max_nodes, width, min_prob,
                                min_level)
 
@@ -250,16 +249,6 @@ class EagleProposer(Proposer):
                                          s.num_tokens - 1 + n.depth, n.state, n.keys())
                                    for s, n in rows], keep_last=True)
         return logits, list(h.split(1))
-
-    def _reserve_tree(self, seq: Sequence, depth: int, expansions: int) -> int:
-        """Reserve the slots of a tree's expanded nodes (at most `expansions`, after the
-        committed tokens: within the tree's own nodes' slots); a tree of one level where the
-        pool is short; 0 for a sequence with no head row to run."""
-        if self._reserve(seq, 1) == 0:
-            return 0
-        if depth > 1 and not self.block_manager.allocate(seq, seq.num_tokens + expansions):
-            return 1
-        return depth
 
     def _reserve(self, seq: Sequence, k: int) -> int:
         """Reserve the slots the head writes (positions up to num_tokens + k - 2); shrink k if

@@ -223,8 +223,9 @@ class Guard:
         plan = self._planned(running, others, alphas, backlog, remaining, num_joining, free,
                              mode)
         draft_ks = [min(k, room) for k, room in zip(plan[0], rooms)]
-        threshold = ctl.node_threshold(alphas, draft_ks, plan[2], len(others))
-        level = ctl.level_price(alphas, draft_ks, plan[2], len(others), self.tree_width)
+        prices = (0.0, 0.0)  # (a tree's: only where the proposer may draft one)
+        if self.config.tree_max_nodes and self.has_proposer and any(draft_ks):
+            prices = ctl.tree_prices(alphas, draft_ks, plan[2], len(others), self.tree_width)
         drafting = [b for k, b in zip(draft_ks, backlog) if k > 0]
         if any(b > CATCH_UP_TOKENS for b in drafting):
             self._since_catch_up = 0.0
@@ -232,7 +233,7 @@ class Guard:
         if not any(draft_ks):  # a step without drafts: old evidence must not keep k at 0 for good
             ctl.decay_evidence()
         self.stats.record_choice([max(a, b) for a, b in zip(draft_ks, plan[1])])
-        return Choice(draft_ks, plan[1], alphas, threshold, level)
+        return Choice(draft_ks, plan[1], alphas, *prices)
 
     def _planned(self, running: list[Sequence], others: list[Sequence], alphas: list[float],
                  backlog: list[int], remaining: list[int], num_joining: int,

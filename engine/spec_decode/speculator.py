@@ -265,8 +265,9 @@ class Speculator(NoSpeculation):
                 self._set_drafts(s, match.token_ids[:k], None, (method, match.match_length),
                                  parents=match.parents[:k] if match.parents else None)
         chosen = [(s, k, room) for s, k, room in zip(candidates, choice.draft_ks, rooms) if k > 0]
-        trees = [c for c in chosen if self._proposer_tree_ok(c[0])]
-        chains = [c for c in chosen if not self._proposer_tree_ok(c[0])]
+        trees, chains = [], []
+        for c in chosen:
+            (trees if self._proposer_tree_ok(c[0]) else chains).append(c)
         if chains:
             self._propose_with([s for s, _, _ in chains], [k for _, k, _ in chains])
         if trees:
@@ -278,7 +279,7 @@ class Speculator(NoSpeculation):
         """The sequence's free proposal and its method: its suffix match or its prediction's
         continuation, whichever expects more accepted tokens."""
         best, method = SuffixDraft(), "suffix"
-        if self.suffix is not None and self._tree_ok(seq):  # its nodes' slots in the context
+        if self.suffix is not None and self.tree_nodes:  # its nodes' slots in the context
             best = self.suffix.propose_tree(seq, room, min(self.tree_nodes, self.max_model_len
                                                            - seq.num_tokens))
         elif self.suffix is not None:
@@ -293,17 +294,13 @@ class Speculator(NoSpeculation):
                 best, method = own, "prediction"
         return best, method
 
-    def _tree_ok(self, seq: Sequence) -> bool:
-        """The sequence's drafts may be a token tree: trees are on."""
-        return self.tree_nodes > 0
-
     def _proposer_tree_ok(self, seq: Sequence) -> bool:
-        """The proposer drafts a token tree for the sequence (a head, the draft model;
-        `_tree_ok`) where the target's own pick verifies it (greedy, coupled seeded). Requests
+        """The proposer drafts a token tree for the sequence (a head, the draft model; trees
+        on) where the target's own pick verifies it (greedy, coupled seeded). Requests
         verified by rejection sampling keep chains sampled from q: a tree of the proposer's
         most probable tokens (one-hot drafts) is accepted with the target's probability of
         each, far less than sampled drafts where the distribution is flat."""
-        return (self.proposer is not None and self.proposer.trees and self._tree_ok(seq)
+        return (self.tree_nodes > 0 and self.proposer is not None and self.proposer.trees
                 and by_pick(seq.params, self.coupled))
 
     def _backlog(self, seq: Sequence) -> int:

@@ -17,6 +17,7 @@ nodes wrote lie past the committed tokens: the proposer's next catch-up rewrites
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -64,6 +65,20 @@ class TreeModel(Protocol):
 
     def node_forward(self, rows: list[tuple[Sequence, Node]]) -> tuple[torch.Tensor, list]:
         """One row per (sequence, node): logits after each node and its children's state."""
+
+
+def reserve_depths(reserve: Callable[[Sequence, int], int], seqs: list[Sequence],
+                   depths: list[int], max_nodes: list[int], width: int) -> list[int]:
+    """Per sequence the levels its tree may have once the slots its expanded nodes write are
+    reserved (`width` per level below the last, at most max_nodes[i], after the committed
+    tokens) through the proposer's `reserve(seq, k)` (a chain's k drafts: shrunk where the pool
+    is short, 0 with no row to run): one level where the pool is short, 0 where it has none."""
+    out = []
+    for seq, depth, cap in zip(seqs, depths, max_nodes):
+        expansions = min(width * (depth - 1), cap)
+        got = reserve(seq, 1 + expansions)
+        out.append(0 if got == 0 else depth if got == 1 + expansions else 1)
+    return out
 
 
 def grow(model: TreeModel, draft_sampler, seqs: list[Sequence], depths: list[int],
