@@ -86,6 +86,10 @@ def tree_result(rates: dict, accept_len: dict) -> str:
     tree_methods = [m for m in ("suffix", "draft_model", "hybrid", "eagle")
                     if any(k[0] == m for k in rates)]
     parts = []
+    for m, key in (("eagle", "eagle"), ("draft_model", "draft")):  # the headline: chat, c=1
+        if (m, "chat", 1) in rates and (m + "_chain", "chat", 1) in rates:
+            parts.append(f"tree_vs_chain_{key}_chat="
+                         f"{rates[m, 'chat', 1] / rates[m + '_chain', 'chat', 1]:.2f}")
     for w in ("chat", "code_edit", "repeated", "chat_t0.7"):
         for c in (1, 8):
             for m in tree_methods:
@@ -384,10 +388,15 @@ def main() -> int:
     if only is not None:
         print(table)
         print(f"worst hybrid / plain over these cases: {worst:.2f}")
+        summary = f"worst_hybrid_vs_plain={worst:.2f} (these cases only)"
+        if args.trees:
+            details.append(f"token trees of at most {TREE_NODES} nodes; the target pass's "
+                           f"measured cost by rows: {verify_costs(engines[methods_run[-1]])}")
+            summary = tree_result(rates, accept_len) + " (these cases only)"
+            print("trees over these cases: " + summary)
         if args.out != default_out:
             write_results(args.out, f"Speculation methods, cases {args.cases}",
-                          torch.get_num_threads(), details, table,
-                          f"worst_hybrid_vs_plain={worst:.2f} (these cases only)")
+                          torch.get_num_threads(), details, table, summary)
         return 0
     if args.trees:
         details.append(f"token trees of at most {TREE_NODES} nodes; the target pass's "
