@@ -89,8 +89,10 @@ inline void block_rows(const uint8_t* w, const at::Half* sc, const at::Half* off
         part[q % CH] = _mm512_dpbusd_epi32(part[q % CH], wv[q], _mm512_set1_epi32(ar[q]));
       __m512i dot = part[0];
       for (int c = 1; c < CH; ++c) dot = _mm512_add_epi32(dot, part[c]);
-      __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scale, _mm512_set1_ps(d[r * G + g])));
-      acc[r] = _mm512_add_ps(acc[r], f);
+      // one fma, written out: a compiler left to contract a mul and an add may or may not
+      // (gcc did: these are the bits it gave), and the bits must not depend on the compiler
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
+                               _mm512_mul_ps(scale, _mm512_set1_ps(d[r * G + g])), acc[r]);
       acc[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(s[r * G + g]), acc[r]);
     }
   }
