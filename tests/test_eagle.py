@@ -2,6 +2,7 @@
 
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -316,3 +317,40 @@ def test_training_on_raw_text_adds_teacher_forced_windows(tmp_path):
     report = train(opts, model=tiny_target(), tokenizer=build_tokenizer())
     assert report["text_windows"] > 0 and report["train_steps"] > 0
     assert os.path.exists(tmp_path / "head" / WEIGHTS_FILE)
+
+
+def test_answers_are_collected_continuously_and_a_rerun_answers_only_the_rest(tmp_path):
+    """The collector keeps `concurrency` requests in flight (a finished answer's place is
+    taken at once); its shards name their prompts, so a rerun answers only those missing,
+    and an answer is the same whether collected in one run or two (greedy ones)."""
+    from training.speculator import Collector, _engine
+
+    tok = build_tokenizer()
+    prompts = [(i, encode(tok, p)) for i, p in enumerate(read_prompts(None)[:10])]
+    layers = head_config(tiny_target(), "tiny", list(range(320))).layers
+
+    def collector(out):
+        opts = TrainOptions(target="tiny", out=str(out), max_new_tokens=12, concurrency=4,
+                            quantization="none", dtype="float32", progress=False,
+                            engine_overrides=dict(num_blocks=256, batch_invariant=False,
+                                                  cpu_matmul_autotune=False))
+        return Collector(opts, _engine(opts, tiny_target(), tok), layers)
+
+    one = collector(tmp_path / "one")
+    running = []
+    step = one.engine.step
+    one.engine.step = lambda: (running.append(len(one.engine.scheduler.running)), step())[1]
+    assert one.collect(prompts, time.monotonic() + 600, "test") == 10
+    assert max(running) == 4 and running.count(4) > len(running) // 2  # kept full
+    first = collector(tmp_path / "two")
+    assert first.collect(prompts[:6], time.monotonic() + 600, "test") == 6
+    again = collector(tmp_path / "two")
+    have = again.answered(again.shards())
+    assert sorted(have) == list(range(6))
+    assert again.collect([p for p in prompts if p[0] not in have],
+                         time.monotonic() + 600, "test") == 4
+    both, whole = again.answered(again.shards()), one.answered(one.shards())
+    assert sorted(both) == sorted(whole) == list(range(10))
+    for i in range(0, 10, 2):  # the greedy ones (odd prompts are sampled at T 0.7)
+        assert torch.equal(both[i].ids, whole[i].ids)
+        assert torch.equal(both[i].features, whole[i].features)

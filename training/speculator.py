@@ -213,30 +213,58 @@ class Collector:
     def shards(self) -> list[dict]:
         return [torch.load(p, weights_only=False) for p in sorted(self.dir.glob("shard-*.pt"))]
 
-    def collect(self, prompts: list[list[int]], first_index: int, deadline: float,
-                label: str) -> int:
-        """Generate answers to `prompts` (indices from first_index) in rounds of
-        `concurrency` until done or `deadline`; returns how many were answered."""
+    @staticmethod
+    def answered(shards: list[dict]) -> dict[int, Example]:
+        """The saved examples by their prompt's index (a shard of an older run holds the
+        prompts from its `first` on, in order)."""
+        out: dict[int, Example] = {}
+        for shard in shards:
+            indices = shard.get("indices") or range(shard["first"],
+                                                    shard["first"] + len(shard["examples"]))
+            out.update(zip(indices, shard["examples"]))
+        return out
+
+    def collect(self, prompts: list[tuple[int, list[int]]], deadline: float, label: str) -> int:
+        """Generate answers to `prompts` ((index, token ids) pairs) with `concurrency` requests
+        in flight: a finished answer's place goes to the next prompt at once (a batch never
+        waits for its longest answer), none is admitted after `deadline`; a shard per
+        `concurrency` finished answers. Returns how many were answered."""
         from engine import SamplingParams
 
-        opts, done = self.opts, 0
+        opts, engine = self.opts, self.engine
         bar = _bar(len(prompts), f"answers ({label})", opts.progress, "prompt")
-        while done < len(prompts) and time.monotonic() < deadline:
-            batch = prompts[done:done + opts.concurrency]
-            params = [SamplingParams(temperature=0.0 if (first_index + done + i) % 2 == 0
-                                     else 0.7, seed=opts.seed + first_index + done + i,
-                                     max_tokens=min(opts.max_new_tokens,
-                                                    max(opts.max_seq_len - len(p), 1)))
-                      for i, p in enumerate(batch)]
-            outs = self.engine.generate(batch, params)
-            examples = [self.recorder.example(o.request_id, p + o.output_token_ids, len(p))
-                        for p, o in zip(batch, outs)]
-            torch.save({"first": first_index + done, "examples": examples},
-                       self.dir / f"shard-{first_index + done:06d}.pt")
-            done += len(batch)
-            bar.update(len(batch))
+        queue, flight, done = list(prompts), {}, []  # flight: request id -> (index, ids)
+
+        def save() -> None:
+            torch.save({"first": min(i for i, _ in done), "indices": [i for i, _ in done],
+                        "examples": [e for _, e in done]},
+                       self.dir / f"shard-{min(i for i, _ in done):06d}-{len(done):03d}.pt")
+            done.clear()
+
+        answered = 0
+        while queue or flight:
+            while queue and len(flight) < opts.concurrency and time.monotonic() < deadline:
+                index, ids = queue.pop(0)
+                params = SamplingParams(temperature=0.0 if index % 2 == 0 else 0.7,
+                                        seed=opts.seed + index,
+                                        max_tokens=min(opts.max_new_tokens,
+                                                       max(opts.max_seq_len - len(ids), 1)))
+                flight[engine.add_request(ids, params)] = (index, ids)
+            if not flight:
+                break  # past the deadline
+            for out in engine.step():
+                if out.finished:
+                    index, ids = flight.pop(out.request_id)
+                    done.append((index, self.recorder.example(
+                        out.request_id, ids + out.output_token_ids, len(ids))))
+                    answered += 1
+                    bar.update(1)
+                    if len(done) >= opts.concurrency:
+                        save()
+        if done:
+            save()
         bar.close()
-        return done
+        return answered
 
 
 # -- training-time test -------------------------------------------------------------------------
@@ -403,17 +431,16 @@ def train(opts: TrainOptions, model=None, tokenizer=None) -> dict:
     prompts = [p[:opts.max_seq_len // 2] for p in prompts if p]
     held = min(opts.held_out, max(len(prompts) // 5, 1))
     collector = Collector(opts, engine, config.layers)
-    shards = collector.shards()  # (a rerun's saved answers: loaded once)
-    answered = sum(len(s["examples"]) for s in shards)
+    answered = collector.answered(collector.shards())  # (a rerun's saved answers)
     data_deadline = started + 60.0 * opts.minutes * opts.data_share
-    if answered < len(prompts):
-        collector.collect(prompts[answered:], answered,
-                          max(data_deadline, time.monotonic() + 1.0) if answered < held
-                          else data_deadline, "generating")
+    missing = [(i, p) for i, p in enumerate(prompts) if i not in answered]
+    if missing:
+        # the held-out conversations first: the report needs them whatever the budget
+        collector.collect(missing, max(data_deadline, time.monotonic() + 1.0)
+                          if any(i < held for i, _ in missing) else data_deadline, "generating")
+        answered = collector.answered(collector.shards())
     data_seconds = time.monotonic() - started
-    if answered < len(prompts):
-        shards = collector.shards()
-    examples = [e for s in shards for e in s["examples"]]
+    examples = [answered[i] for i in sorted(answered)]
     if len(examples) <= held:
         raise RuntimeError(f"only {len(examples)} conversations answered within the data "
                            f"budget: raise --minutes or lower --max-new-tokens")
