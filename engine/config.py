@@ -10,6 +10,24 @@ INT4_KERNELS = ("auto", "vnni", "torch")  # engine/kernels/quant_linear.py
 
 
 @dataclass
+class RecordConfig:
+    """`speculative.record`: finished requests' token ids kept for training draft heads
+    (engine/spec_decode/traffic.py says what, where, and how tenants stay apart)."""
+
+    dir: str = ""
+    max_gb: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dir, str) or not self.dir:
+            raise ValueError("invalid speculative config record.dir: a folder to record "
+                             "finished requests' token ids in is required")
+        if (not isinstance(self.max_gb, (int, float)) or isinstance(self.max_gb, bool)
+                or not self.max_gb > 0):
+            raise ValueError(f"invalid speculative config record.max_gb: {self.max_gb!r}, "
+                             f"must be > 0")
+
+
+@dataclass
 class SpeculativeConfig:
     # hybrid: per sequence per step, a suffix match or the model source (the draft model, or
     # the draft head `speculator` when set), whichever the cost model predicts pays most |
@@ -58,8 +76,16 @@ class SpeculativeConfig:
     # speculation; "rejection" uses rejection sampling for them too (higher acceptance, output
     # depends on k). Unseeded sampled requests always use rejection sampling; greedy, the argmax.
     verification: str = "coupled"
+    # {dir, max_gb}: keep finished requests' token ids to train a head on (off when None)
+    record: RecordConfig | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.record, dict):
+            self.record = RecordConfig(**_known_options(RecordConfig, self.record,
+                                                        "speculative.record"))
+        elif self.record is not None and not isinstance(self.record, RecordConfig):
+            raise ValueError(f"invalid speculative config record: {self.record!r}; use "
+                             f"{{dir: FOLDER, max_gb: 1.0}}")
         if self.method not in SPEC_METHODS:
             raise ValueError(f"invalid speculative config method: {self.method!r}; "
                              f"use one of {SPEC_METHODS}")

@@ -37,6 +37,7 @@ from engine.sequence import Sequence
 from engine.spec_decode.eagle import load_speculator
 from engine.spec_decode.guard import StepRecord
 from engine.spec_decode.speculator import build_speculator
+from engine.spec_decode.traffic import TrafficRecorder
 from engine.structured import Grammars
 
 log = logging.getLogger("specserve.engine")
@@ -92,6 +93,8 @@ class LLMEngine:
                              tokenizer_size or self.vocab_size), head)
         self._grammars: Grammars | None = None  # built with the first grammar request
         self.num_grammar_requests = 0
+        record = config.speculative.record  # finished requests kept to train heads on
+        self.traffic = None if record is None else TrafficRecorder(record, model, config.model)
 
     def _take_threads(self) -> None:
         """The torch threads the config asks for; with tensor parallelism and none asked, the
@@ -117,6 +120,8 @@ class LLMEngine:
         finalizer = self.__dict__.get("_finalizer")
         if finalizer is not None:
             finalizer()
+        if self.__dict__.get("traffic") is not None:
+            self.traffic.close()
         threads = self.__dict__.pop("_threads_before", None)
         if threads is not None:
             torch.set_num_threads(threads)
@@ -283,6 +288,9 @@ class LLMEngine:
         if seq.is_finished:
             self._sequences.pop(rid, None)
             self._num_emitted.pop(rid, None)
+            if self.traffic is not None:  # (stop and length only: not an aborted one)
+                self.traffic.record(seq.prompt_token_ids, seq.output_token_ids,
+                                    seq.finish_reason, seq.cache_salt)
         return result
 
     # -- offline API -----------------------------------------------------------------------

@@ -92,7 +92,7 @@ def _speculator_train(args: argparse.Namespace) -> int:
         concurrency=args.concurrency, quantization=args.quantization, dtype=args.dtype,
         device=args.device, draft_vocab_size=args.draft_vocab_size, ttt_steps=args.ttt_steps,
         lr=args.lr, feature_loss=args.feature_loss, epochs=args.epochs,
-        model_cache_dir=args.cache_dir,
+        model_cache_dir=args.cache_dir, from_traffic=args.from_traffic, resume=args.resume,
         progress=not args.no_progress)
     try:
         report = train(opts)
@@ -141,6 +141,12 @@ def _add_speculator(sub) -> None:
                          "the budget ends)")
     tr.add_argument("--feature-loss", type=float, default=0.0,
                     help="weight of EAGLE's feature regression (0: off)")
+    tr.add_argument("--from-traffic", metavar="DIR",
+                    help="train on served traffic (speculative.record) instead of generated "
+                         "answers: ONE folder of it, DIR/shared or a tenant's DIR/tenant-...")
+    tr.add_argument("--resume", metavar="HEAD",
+                    help="fine-tune this head (a speculator folder for the same target) "
+                         "instead of starting a new one")
     tr.add_argument("--cache-dir", default=None, help="where recipes live")
     tr.add_argument("--no-progress", action="store_true", help="no progress bars")
     tr.set_defaults(func=_speculator_train)

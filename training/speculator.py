@@ -10,8 +10,11 @@ plain engine through its public API and reads the target's layers the way the ru
    captured layers' outputs at every position and the target's next-token distribution at
    every answer position (its top TOP_K, kept as soft labels). Raw text (`--text DIR`) adds
    teacher-forced windows of files (one forward each, logits at every row). Shards are saved
-   as they are made, so a rerun resumes.
-2. Training: the head starts as the target's last layer (`initialize_from_target`) and learns
+   as they are made, so a rerun resumes. `--from-traffic DIR` instead re-runs the answers the
+   server recorded (`speculative.record`, engine/spec_decode/traffic.py) teacher-forced: the
+   target's own answers to its users, with the features of one prefill each.
+2. Training: the head starts as the target's last layer (`initialize_from_target`), or as a
+   served head (`--resume`), and learns
    by training-time test (EAGLE-3): step 0 reads the target's features, step j its own output
    of step j - 1 with the true next token, each row attending to the true prefix's head K/V
    and its own chain's; loss: cross-entropy against the target's distribution (restricted to
@@ -36,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.spec_decode.eagle import (EagleHead, head_config, initialize_from_target,
-                                      save_head)
+                                      load_head, save_head)
 from engine.spec_decode.speculator import NoSpeculation
 
 log = logging.getLogger("specserve.train")
@@ -71,6 +74,8 @@ class TrainOptions:
     report_k: int = 5
     checkpoint_minutes: float = 3.0
     seed: int = 0
+    from_traffic: str | None = None  # a folder of served traffic (speculative.record)
+    resume: str | None = None  # a head's folder to fine-tune instead of a new head
     model_cache_dir: str | None = None
     progress: bool = True
     engine_overrides: dict = field(default_factory=dict)  # EngineConfig fields
@@ -427,38 +432,35 @@ def train(opts: TrainOptions, model=None, tokenizer=None) -> dict:
     config = head_config(target, opts.target, vocab)
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
-    prompts = [encode(tok, p) for p in read_prompts(opts.prompts)]
-    prompts = [p[:opts.max_seq_len // 2] for p in prompts if p]
-    held = min(opts.held_out, max(len(prompts) // 5, 1))
-    collector = Collector(opts, engine, config.layers)
-    answered = collector.answered(collector.shards())  # (a rerun's saved answers)
+    device = next(target.parameters()).device
+    head = None
+    if opts.resume:  # a served head, fine-tuned (its own config: layers, vocabulary)
+        head = load_head(opts.resume, target, torch.float32, device, "--resume")
+        config = head.config
     data_deadline = started + 60.0 * opts.minutes * opts.data_share
-    missing = [(i, p) for i, p in enumerate(prompts) if i not in answered]
-    if missing:
-        # the held-out conversations first: the report needs them whatever the budget
-        collector.collect(missing, max(data_deadline, time.monotonic() + 1.0)
-                          if any(i < held for i, _ in missing) else data_deadline, "generating")
-        answered = collector.answered(collector.shards())
+    examples, held = (_traffic_examples(opts, target, config.layers, data_deadline)
+                      if opts.from_traffic else
+                      _answered_examples(opts, engine, tok, config.layers, data_deadline))
     data_seconds = time.monotonic() - started
-    examples = [answered[i] for i in sorted(answered)]
     if len(examples) <= held:
-        raise RuntimeError(f"only {len(examples)} conversations answered within the data "
-                           f"budget: raise --minutes or lower --max-new-tokens")
+        raise RuntimeError(f"only {len(examples)} conversations within the data budget: "
+                           f"raise --minutes or lower --max-new-tokens")
     evaluation, training = examples[:held], examples[held:]
     if opts.text:
         windows = text_windows(opts.text, tok, opts.max_seq_len)
         training += [teacher_forced(target, config.layers, w, 1) for w in windows]
-    head = EagleHead(config)
-    initialize_from_target(head, target)
+    if head is None:
+        head = EagleHead(config)
+        initialize_from_target(head, target)
+        head = head.to(device)  # float32 master weights
     embed = target.get_input_embeddings()
-    device = next(target.parameters()).device
-    head = head.to(device)  # float32 master weights
     labels = Labels(head.vocab, engine.vocab_size)
     before = acceptance_lengths(head, embed, evaluation, labels, opts.report_k)
     trained = _fit(opts, head, embed, training, labels, deadline - _report_seconds(
         head, embed, evaluation, labels, opts.report_k), evaluation)
     after = acceptance_lengths(head, embed, evaluation, labels, opts.report_k)
     report = {"target": opts.target, "quantization": opts.quantization,
+              "from_traffic": opts.from_traffic, "resumed_from": opts.resume,
               "conversations": len(examples), "held_out": held,
               "training_tokens": int(sum(len(e.ids) for e in training)),
               "answer_tokens": int(sum(int(e.mask.sum()) for e in training)),
@@ -470,6 +472,47 @@ def train(opts: TrainOptions, model=None, tokenizer=None) -> dict:
     save_head(head, str(out))
     (out / "report.json").write_text(json.dumps(report, indent=2))
     return report
+
+
+def _answered_examples(opts: TrainOptions, engine, tok, layers: list[int],
+                       data_deadline: float) -> tuple[list[Example], int]:
+    """The target's answers to the prompts (a rerun's saved ones, then the missing ones until
+    `data_deadline`), in prompt order, and how many of the first are held out."""
+    prompts = [encode(tok, p) for p in read_prompts(opts.prompts)]
+    prompts = [p[:opts.max_seq_len // 2] for p in prompts if p]
+    held = min(opts.held_out, max(len(prompts) // 5, 1))
+    collector = Collector(opts, engine, layers)
+    answered = collector.answered(collector.shards())  # (a rerun's saved answers)
+    missing = [(i, p) for i, p in enumerate(prompts) if i not in answered]
+    if missing:
+        # the held-out conversations first: the report needs them whatever the budget
+        collector.collect(missing, max(data_deadline, time.monotonic() + 1.0)
+                          if any(i < held for i, _ in missing) else data_deadline, "generating")
+        answered = collector.answered(collector.shards())
+    return [answered[i] for i in sorted(answered)], held
+
+
+def _traffic_examples(opts: TrainOptions, target, layers: list[int], data_deadline: float
+                      ) -> tuple[list[Example], int]:
+    """The served answers recorded in `opts.from_traffic` (one folder: engine/spec_decode/
+    traffic.py), re-run teacher-forced through the target for their features and the
+    target's distributions (a prefill computes every position at once), oldest first, until
+    `data_deadline` (the held-out ones whatever it); how many of the first are held out."""
+    from engine.spec_decode.traffic import read_traffic
+
+    rows = read_traffic(opts.from_traffic, target)
+    held = min(opts.held_out, max(len(rows) // 5, 1))
+    examples = []
+    bar = _bar(len(rows), "teacher-forcing traffic", opts.progress, "request")
+    for prompt, output in rows:
+        if len(examples) >= held and time.monotonic() > data_deadline:
+            break
+        ids = (prompt + output)[:opts.max_seq_len]
+        if len(prompt) < len(ids) - 1:  # at least two answer tokens left
+            examples.append(teacher_forced(target, layers, ids, len(prompt)))
+        bar.update(1)
+    bar.close()
+    return examples, held
 
 
 def _report_seconds(head, embed, examples, labels, k) -> float:
@@ -593,6 +636,7 @@ def format_report(report: dict) -> str:
              f"{report['training_tokens']} training tokens, {report['train_steps']} steps in "
              f"{report['train_seconds'] / 60:.1f} min ({report['minutes']:.1f} min in all)",
              "acceptance length on held-out conversations (greedy, tokens per verification):",
+             "  k     before  trained" if report.get("resumed_from") else
              "  k  untrained  trained"]
     for k, (a, b) in enumerate(zip(report["acceptance_length_untrained"],
                                    report["acceptance_length"]), 1):

@@ -223,21 +223,28 @@ def read_config(path: str, option: str = "speculative.speculator") -> HeadConfig
 def check_target(config: HeadConfig, model: nn.Module,
                  option: str = "speculative.speculator") -> None:
     """Refuse a head trained for another target (see the module docstring)."""
+    check_same_target(config.target, config.target_shape, config.fingerprint, model, option,
+                      "the speculator was trained")
+
+
+def check_same_target(name: str, shape_then: dict, fingerprint_then: list, model: nn.Module,
+                      option: str, subject: str) -> None:
+    """Refuse what was made with (`subject`: "the speculator was trained", "the traffic was
+    recorded") another target than `model`: another shape or other embeddings."""
     shape = target_shape(model)
-    if shape != config.target_shape:
-        diff = {k: (config.target_shape.get(k), v) for k, v in shape.items()
-                if config.target_shape.get(k) != v}
-        raise HeadFileError(f"invalid {option}: the speculator was trained for "
-                            f"{config.target!r}, a target of another shape (trained, served: "
-                            f"{diff})")
+    if shape != shape_then:
+        diff = {k: ((shape_then or {}).get(k), v) for k, v in shape.items()
+                if (shape_then or {}).get(k) != v}
+        raise HeadFileError(f"invalid {option}: {subject} for {name!r}, a target of another "
+                            f"shape (then, now: {diff})")
     ours = torch.tensor(fingerprint(model))
-    theirs = torch.tensor(config.fingerprint)
+    theirs = torch.tensor(fingerprint_then or [])
     cos = F.cosine_similarity(ours.flatten(), theirs.flatten(), dim=0).item() \
         if ours.shape == theirs.shape else 0.0
     if not cos >= MIN_FINGERPRINT_COSINE:
-        raise HeadFileError(f"invalid {option}: the speculator was trained for "
-                            f"{config.target!r}; the served target's embeddings differ "
-                            f"(similarity {cos:.2f} < {MIN_FINGERPRINT_COSINE}): another model")
+        raise HeadFileError(f"invalid {option}: {subject} for {name!r}; the served target's "
+                            f"embeddings differ (similarity {cos:.2f} < "
+                            f"{MIN_FINGERPRINT_COSINE}): another model")
 
 
 def load_head(path: str, model: nn.Module, dtype: torch.dtype, device: torch.device,
