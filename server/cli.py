@@ -88,6 +88,7 @@ def _speculator_train(args: argparse.Namespace) -> int:
 
     opts = TrainOptions(
         target=args.target, out=args.out, prompts=args.prompts, text=args.text,
+        temperatures=args.temperatures,
         minutes=args.minutes, data_share=args.data_share, max_new_tokens=args.max_new_tokens,
         concurrency=args.concurrency, quantization=args.quantization, dtype=args.dtype,
         device=args.device, draft_vocab_size=args.draft_vocab_size, ttt_steps=args.ttt_steps,
@@ -103,6 +104,16 @@ def _speculator_train(args: argparse.Namespace) -> int:
     print(f"saved {args.out}; serve it with speculative.method eagle, speculative.speculator "
           f"{args.out}")
     return 0
+
+
+def _temperatures(value: str) -> tuple[float, ...]:
+    try:
+        out = tuple(float(v) for v in value.split(","))
+    except ValueError:
+        out = ()
+    if not out or any(not 0.0 <= t <= 2.0 for t in out):
+        raise argparse.ArgumentTypeError(f"{value!r}: comma-separated temperatures in [0, 2]")
+    return out
 
 
 def _add_speculator(sub) -> None:
@@ -125,6 +136,9 @@ def _add_speculator(sub) -> None:
                     help="at most this share of the budget generates answers (default 0.5; "
                          "0 on a rerun: train on the answers saved in OUT)")
     tr.add_argument("--max-new-tokens", type=int, default=256)
+    tr.add_argument("--temperatures", type=_temperatures, default=(0.0, 0.7),
+                    help="answers sampled at these temperatures in turn, prompt by prompt "
+                         "(default 0,0.7: greedy and sampled)")
     tr.add_argument("--concurrency", type=int, default=16,
                     help="requests the engine answers at once")
     tr.add_argument("--quantization", choices=list(QUANTIZATION_MODES), default="auto",

@@ -37,7 +37,7 @@ def trained(tmp_path_factory):
     out = tmp_path_factory.mktemp("head")
     prompts = out / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"messages": m}) + "\n"
-                               for m in read_prompts(None)[:96]))
+                               for m in single_turns()[:96]))
     # a fixed amount of work (3 passes over 92 answers), the budget only a bound
     opts = TrainOptions(target="tiny", out=str(out), prompts=str(prompts), minutes=4,
                         epochs=4,
@@ -50,9 +50,15 @@ def trained(tmp_path_factory):
     return str(out), report
 
 
+def single_turns():
+    """The default set's one-turn conversations (the tiny tokenizer has no chat template:
+    follow-ups and tool turns would be their contents joined)."""
+    return [c for c in read_prompts(None) if isinstance(c, list) and len(c) == 1]
+
+
 def held_out_prompts():
     tok = build_tokenizer()
-    return [encode(tok, p) for p in read_prompts(None)[:4]]
+    return [encode(tok, p) for p in single_turns()[:4]]
 
 
 def test_runner_returns_the_captured_layers_of_every_new_token():
@@ -281,8 +287,15 @@ def test_default_training_prompts_are_disjoint_from_the_benchmark_prompts():
                 row = json.loads(line)
                 bench.update(m["content"][:60] for m in row.get("messages", []))
                 bench.update([row["prompt"][:60]] if "prompt" in row else [])
-    ours = [m["content"][:60] for conv in read_prompts(None) for m in conv]
-    assert len(ours) >= 300 and not bench & set(ours)
+    convs = read_prompts(None)
+    ours = [m["content"][:60] for conv in convs
+            for m in (conv["messages"] if isinstance(conv, dict) else conv)]
+    assert len(convs) >= 400 and not bench & set(ours)
+    # follow-up turns and tool turns (with their tools) are among them
+    assert sum(isinstance(c, list) and len(c) == 3 for c in convs) >= 50
+    tool_turns = [c for c in convs if isinstance(c, dict)]
+    assert len(tool_turns) >= 20 and all(c["tools"] for c in tool_turns)
+    assert any(m["role"] == "tool" for c in tool_turns for m in c["messages"])
 
 
 def test_prompts_file_errors_name_the_line(tmp_path):
@@ -332,7 +345,7 @@ def test_answers_are_collected_continuously_and_a_rerun_answers_only_the_rest(tm
     def collector(out):
         opts = TrainOptions(target="tiny", out=str(out), max_new_tokens=12, concurrency=4,
                             quantization="none", dtype="float32", progress=False,
-                            engine_overrides=dict(num_blocks=256, batch_invariant=False,
+                            engine_overrides=dict(num_blocks=256,  # batch-invariant (serving's)
                                                   cpu_matmul_autotune=False))
         return Collector(opts, _engine(opts, tiny_target(), tok), layers)
 

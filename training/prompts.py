@@ -1,4 +1,6 @@
-"""The default prompts a draft head is trained on: varied coding and prose instructions.
+"""The default prompts a draft head is trained on: varied coding and prose instructions,
+follow-up second turns, and tool turns (a conversation with `tools`: a question the target
+answers with a tool call, or a tool's result it answers from).
 
 Written for this project (no external dataset is reachable where it trains), and disjoint from
 the benchmark's prompts (bench/prompts; tests/test_eagle.py checks it). A user's own traffic
@@ -88,10 +90,103 @@ _WRITING = [
 ]
 
 
-def default_prompts() -> list[list[dict]]:
-    """Chat conversations (one user turn each), in a fixed interleaved order."""
+# Second turns: the first answer is a short one written here (the target's own first answer
+# would cost a generation), and the target answers the follow-up.
+_FIRST_ANSWERS = {
+    "code": "Here is a straightforward {lang} version with the main loop kept simple. It "
+            "handles the common cases; tell me if you need more.",
+    "prose": "In short: {topic} is a broad subject, and the key ideas fit in a few paragraphs. "
+             "Tell me which part you want in more depth.",
+}
+_FOLLOW_UPS_CODE = [
+    "Now add unit tests for it.",
+    "Can you make it handle empty input and explain the edge cases?",
+    "Rewrite it to be more idiomatic and add comments.",
+    "What is its time and memory complexity? Can it be improved?",
+]
+_FOLLOW_UPS_PROSE = [
+    "Make it shorter, in five bullet points.",
+    "Go deeper into the most important part.",
+    "Give me three questions to check that I understood it, with answers.",
+]
+# Tool turns in the form the server renders them (OpenAI `tools`, through the chat template):
+# the target answers with a tool call, or with a tool's result in the conversation.
+_TOOLS = [
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "The current weather in a city.",
+        "parameters": {"type": "object", "properties": {
+            "city": {"type": "string"}, "unit": {"type": "string",
+                                                  "enum": ["celsius", "fahrenheit"]}},
+            "required": ["city"]}}},
+    {"type": "function", "function": {
+        "name": "search_docs", "description": "Search the project's documentation.",
+        "parameters": {"type": "object", "properties": {
+            "query": {"type": "string"}, "limit": {"type": "integer"}},
+            "required": ["query"]}}},
+    {"type": "function", "function": {
+        "name": "run_sql", "description": "Run a read-only SQL query on the sales database.",
+        "parameters": {"type": "object", "properties": {"sql": {"type": "string"}},
+                       "required": ["sql"]}}},
+]
+_TOOL_ASKS = [
+    "What's the weather like in {city} right now?",
+    "Is it warmer in {city} or in Oslo today? Use fahrenheit.",
+    "Find the documentation about configuring retries for {city}'s deployment.",
+    "How many orders did we ship to {city} last month? Query the database.",
+]
+_CITIES = ["Lisbon", "Nairobi", "Osaka", "Toronto", "Lima", "Krakow"]
+_TOOL_RESULTS = [
+    ("get_weather", {"city": "Lisbon"}, '{"temperature": 19, "unit": "celsius", '
+                                        '"conditions": "light rain"}'),
+    ("search_docs", {"query": "retry policy"}, '[{"title": "Retries", "text": "Set '
+                                               'max_retries and backoff in client.yaml."}]'),
+    ("run_sql", {"sql": "SELECT count(*) FROM orders WHERE city = \'Lima\'"},
+     '[{"count": 1284}]'),
+]
+
+
+def _multi_turn() -> list[list[dict]]:
+    out = []
+    for (task, lang), follow in zip(itertools.product(_CODE_TASKS[:12], _LANGUAGES[:4]),
+                                    itertools.cycle(_FOLLOW_UPS_CODE)):
+        out.append([{"role": "user", "content": task.format(lang=lang)},
+                    {"role": "assistant", "content": _FIRST_ANSWERS["code"].format(lang=lang)},
+                    {"role": "user", "content": follow}])
+    for (task, topic), follow in zip(itertools.product(_PROSE_TASKS[:3], _TOPICS[:8]),
+                                     itertools.cycle(_FOLLOW_UPS_PROSE)):
+        out.append([{"role": "user", "content": task.format(topic=topic)},
+                    {"role": "assistant", "content": _FIRST_ANSWERS["prose"].format(
+                        topic=topic)},
+                    {"role": "user", "content": follow}])
+    return out
+
+
+def _tool_turns() -> list[dict]:
+    """Conversations with `tools`: a question the target answers with a call, and a tool's
+    result the target turns into an answer."""
+    out = [{"messages": [{"role": "user", "content": ask.format(city=city)}], "tools": _TOOLS}
+           for ask, city in itertools.product(_TOOL_ASKS, _CITIES)]
+    for i, (name, args, result) in enumerate(_TOOL_RESULTS):
+        ask = {"get_weather": "What's the weather in Lisbon?",
+               "search_docs": "How do I configure retries?",
+               "run_sql": "How many orders went to Lima?"}[name]
+        call = {"id": f"call_{i}", "type": "function",
+                "function": {"name": name, "arguments": args}}
+        out.append({"messages": [{"role": "user", "content": ask},
+                                 {"role": "assistant", "content": "", "tool_calls": [call]},
+                                 {"role": "tool", "tool_call_id": f"call_{i}",
+                                  "content": result}], "tools": _TOOLS})
+    return out
+
+
+def default_prompts() -> list[list[dict] | dict]:
+    """Chat conversations in a fixed interleaved order: one user turn (coding, prose,
+    edits, writing), follow-up second turns, and tool turns (dicts with `messages` and
+    `tools`, rendered through the chat template as the server renders a request's tools)."""
     code = [t.format(lang=lang) for t, lang in itertools.product(_CODE_TASKS, _LANGUAGES)]
     prose = [t.format(topic=topic) for t, topic in itertools.product(_PROSE_TASKS, _TOPICS)]
-    groups = [code, prose, list(_EDITS) + list(_WRITING)]
-    ordered = [p for row in itertools.zip_longest(*groups) for p in row if p is not None]
-    return [[{"role": "user", "content": p}] for p in ordered]
+    single = [[{"role": "user", "content": p}] for p in list(_EDITS) + list(_WRITING)]
+    groups = [[[{"role": "user", "content": p}] for p in code],
+              [[{"role": "user", "content": p}] for p in prose],
+              single + _multi_turn(), _tool_turns()]
+    return [p for row in itertools.zip_longest(*groups) for p in row if p is not None]

@@ -5,9 +5,9 @@ plain engine through its public API and reads the target's layers the way the ru
 (engine/models/lean_forward.py).
 
 1. Data (self-distillation, EAGLE's recipe): the target answers the prompts (a user's chat
-   JSONL, or the default set of training/prompts.py) at high concurrency in our
-   engine, greedy and sampled alternately, and `Recorder` keeps what its forwards compute: the
-   captured layers' outputs at every position and the target's next-token distribution at
+   JSONL, or the default set of training/prompts.py: single and follow-up turns, tool turns)
+   at high concurrency in our engine, greedy and sampled in turn (`--temperatures`), and
+   `Recorder` keeps what its forwards compute: the captured layers' outputs at every position and the target's next-token distribution at
    every answer position (its top TOP_K, kept as soft labels). Raw text (`--text DIR`) adds
    teacher-forced windows of files (one forward each, logits at every row). Shards are saved
    as they are made, so a rerun resumes. `--from-traffic DIR` instead re-runs the answers the
@@ -59,6 +59,7 @@ class TrainOptions:
     minutes: float = 60.0  # the whole budget: data, training, report
     data_share: float = 0.5  # of the budget, at most this much for generating answers
     max_new_tokens: int = 256
+    temperatures: tuple[float, ...] = (0.0, 0.7)  # prompt i is answered at [i % len]
     concurrency: int = 16
     max_seq_len: int = 1024
     quantization: str = "auto"  # as `engine.quantization`: train on the target you serve
@@ -98,9 +99,9 @@ def _bar(total, desc: str, enabled: bool, unit: str = "it"):
 
 
 # -- data ---------------------------------------------------------------------------------------
-def read_prompts(path: str | None) -> list[list[dict] | str]:
-    """Conversations from a chat JSONL file (`messages`, or `prompt` for raw text), or the
-    default set."""
+def read_prompts(path: str | None) -> list[list[dict] | dict | str]:
+    """Conversations from a chat JSONL file (`messages`, with `tools` where the conversation
+    has tools; or `prompt` for raw text), or the default set."""
     if path is None:
         from training.prompts import default_prompts
 
@@ -112,6 +113,8 @@ def read_prompts(path: str | None) -> list[list[dict] | str]:
         try:
             row = json.loads(line)
             value = row.get("messages") or row.get("prompt")
+            if row.get("tools") and row.get("messages"):
+                value = {"messages": row["messages"], "tools": row["tools"]}
         except (ValueError, AttributeError):
             value = None
         if value is None:
@@ -123,12 +126,18 @@ def read_prompts(path: str | None) -> list[list[dict] | str]:
     return out
 
 
-def encode(tokenizer, prompt: list[dict] | str) -> list[int]:
-    if isinstance(prompt, str) or getattr(tokenizer, "chat_template", None) is None:
-        text = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
+def encode(tokenizer, prompt: list[dict] | dict | str) -> list[int]:
+    """A conversation's prompt token ids: rendered by the chat template (with its `tools`
+    where it has them, as the server renders a request's), or raw text."""
+    tools = prompt.get("tools") if isinstance(prompt, dict) else None
+    messages = prompt["messages"] if isinstance(prompt, dict) else prompt
+    if isinstance(messages, str) or getattr(tokenizer, "chat_template", None) is None:
+        text = messages if isinstance(messages, str) else "\n".join(
+            m.get("content") or "" for m in messages)
         return tokenizer.encode(text, add_special_tokens=False)
-    return list(tokenizer.apply_chat_template(prompt, add_generation_prompt=True,
-                                              tokenize=True, return_dict=False))
+    return list(tokenizer.apply_chat_template(messages, tools=tools,
+                                              add_generation_prompt=True, tokenize=True,
+                                              return_dict=False))
 
 
 def text_windows(folder: str, tokenizer, length: int) -> list[list[int]]:
@@ -250,7 +259,8 @@ class Collector:
         while queue or flight:
             while queue and len(flight) < opts.concurrency and time.monotonic() < deadline:
                 index, ids = queue.pop(0)
-                params = SamplingParams(temperature=0.0 if index % 2 == 0 else 0.7,
+                params = SamplingParams(temperature=opts.temperatures[
+                                            index % len(opts.temperatures)],
                                         seed=opts.seed + index,
                                         max_tokens=min(opts.max_new_tokens,
                                                        max(opts.max_seq_len - len(ids), 1)))
