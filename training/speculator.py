@@ -7,7 +7,8 @@ plain engine through its public API and reads the target's layers the way the ru
 1. Data (self-distillation, EAGLE's recipe): the target answers the prompts (a user's chat
    JSONL, or the default set of training/prompts.py: single and follow-up turns, tool turns)
    at high concurrency in our engine, greedy and sampled in turn (`--temperatures`), and
-   `Recorder` keeps what its forwards compute: the captured layers' outputs at every position and the target's next-token distribution at
+   `Recorder` keeps what its forwards compute: the captured layers' outputs at every
+   position and the target's next-token distribution at
    every answer position (its top TOP_K, kept as soft labels). Raw text (`--text DIR`) adds
    teacher-forced windows of files (one forward each, logits at every row). Shards are saved
    as they are made, so a rerun resumes. `--from-traffic DIR` instead re-runs the answers the
@@ -438,8 +439,6 @@ def train(opts: TrainOptions, model=None, tokenizer=None) -> dict:
     target.requires_grad_(False)  # only the head learns
     if tok is None:
         raise ValueError("training a speculator needs the target's tokenizer")
-    vocab = _draft_vocab(tok, opts.draft_vocab_size, engine.vocab_size)
-    config = head_config(target, opts.target, vocab)
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
     device = next(target.parameters()).device
@@ -447,6 +446,9 @@ def train(opts: TrainOptions, model=None, tokenizer=None) -> dict:
     if opts.resume:  # a served head, fine-tuned (its own config: layers, vocabulary)
         head = load_head(opts.resume, target, torch.float32, device, "--resume")
         config = head.config
+    else:
+        config = head_config(target, opts.target,
+                             _draft_vocab(tok, opts.draft_vocab_size, engine.vocab_size))
     data_deadline = started + 60.0 * opts.minutes * opts.data_share
     examples, held = (_traffic_examples(opts, target, config.layers, data_deadline)
                       if opts.from_traffic else

@@ -82,9 +82,8 @@ class TrafficRecorder:
         except json.JSONDecodeError:
             raise ValueError(f"invalid speculative config record.dir: {where} is corrupt"
                              ) from None
-        self._open: dict[str, tuple[Path, object]] = {}  # folder -> (file, handle)
+        self._open: dict[str, list] = {}  # folder -> [file, handle, its bytes]
         self.total = sum(p.stat().st_size for p in self.root.glob("*/traffic-*.jsonl"))
-        self.num_recorded = 0
         self.failed = False
 
     def record(self, prompt: list[int], output: list[int], finish_reason: str | None,
@@ -94,14 +93,15 @@ class TrafficRecorder:
             return
         line = json.dumps({"prompt": prompt, "output": output}, separators=(",", ":")) + "\n"
         try:
-            path, handle = self._file(folder_of(cache_salt))
-            handle.write(line)
-            handle.flush()
+            folder = folder_of(cache_salt)
+            current = self._file(folder)
+            current[1].write(line)
+            current[1].flush()
+            current[2] += len(line)  # (ASCII: characters are bytes)
             self.total += len(line)
-            self.num_recorded += 1
-            if path.stat().st_size >= self.file_bytes:
-                handle.close()
-                del self._open[path.parent.name]
+            if current[2] >= self.file_bytes:
+                current[1].close()
+                del self._open[folder]
             if self.total > self.max_bytes:
                 self._rotate()
         except OSError as exc:
@@ -116,13 +116,13 @@ class TrafficRecorder:
             path = where / f"traffic-{time.time_ns() // 1_000_000:013d}.jsonl"
             while path.exists():  # two files in one millisecond
                 path = where / f"traffic-{int(path.stem.split('-')[1]) + 1:013d}.jsonl"
-            self._open[folder] = (path, open(path, "a"))
+            self._open[folder] = [path, open(path, "a"), 0]
         return self._open[folder]
 
     def _rotate(self) -> None:
         """Delete the oldest files until the tree is within max_bytes (a file being written
         goes last)."""
-        current = {path for path, _ in self._open.values()}
+        current = {entry[0] for entry in self._open.values()}
         files = sorted(self.root.glob("*/traffic-*.jsonl"),
                        key=lambda p: (p in current, p.name))
         for path in files:
@@ -136,8 +136,8 @@ class TrafficRecorder:
             self.total -= size
 
     def close(self) -> None:
-        for _, handle in self._open.values():
-            handle.close()
+        for entry in self._open.values():
+            entry[1].close()
         self._open.clear()
 
 
