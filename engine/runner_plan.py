@@ -26,9 +26,14 @@ def resolve_attention_backend(name: str, device: torch.device) -> str:
     if name not in ("auto", "sdpa", "triton"):
         raise ValueError(f"invalid engine config attention_backend: {name!r}; "
                          f"use auto, sdpa or triton")
+    from engine.attention import triton_backend
+
+    if name == "triton" and device.type != "cuda" and not triton_backend.INTERPRETED:
+        raise ValueError(f"attention_backend triton needs a CUDA model (this one is on "
+                         f"{device.type}; on a CPU only Triton's interpreter runs it, "
+                         f"TRITON_INTERPRET=1): use auto or sdpa")
     if name != "auto":
         return name
-    from engine.attention import triton_backend
 
     return "triton" if device.type == "cuda" and triton_backend.available() else "sdpa"
 

@@ -29,7 +29,7 @@ PYEOF
 
 status=0
 echo "== CUDA-marked tests"
-timeout 150 $PY -m pytest -q -m cuda -p no:cacheprovider tests 2>&1 | tee "$OUT_DIR/tests.log"
+timeout 200 $PY -m pytest -q -m cuda -p no:cacheprovider --durations=10 tests 2>&1 | tee "$OUT_DIR/tests.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 echo "== bench/gpu_bench.py"
 timeout 300 $PY bench/gpu_bench.py --out "$OUT_DIR/gpu_bench.md" \

@@ -12,10 +12,10 @@ pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
-def engine(target, method="none", draft=None, **kw):
+def engine(target, method="none", draft=None, tree_max_nodes=0, **kw):
     spec = SpeculativeConfig(method=method, draft_model="in-memory" if draft else None,
-                             k_max=4, adaptive=True)
-    cfg = dict(num_blocks=512, max_num_seqs=16)
+                             k_max=4, adaptive=True, tree_max_nodes=tree_max_nodes)
+    cfg = dict(num_blocks=512, max_num_seqs=16, cuda_graph_batch_sizes=[1, 2, 4, 8, 16])
     cfg.update(kw)
     return LLMEngine(EngineConfig(speculative=spec, **cfg), model=target, draft_model=draft)
 
@@ -41,6 +41,23 @@ def test_bf16_greedy_with_speculation_equals_plain_alone_and_batched(method, kv_
     plain = [plain_eng.generate([p], params)[0].output_token_ids for p in prompts]
     draft = fresh(seed=1) if method in ("draft_model", "hybrid") else None
     eng = engine(fresh(), method, draft, attention_kv_split=kv_split)
+    assert [o.output_token_ids for o in staggered(eng, prompts, [params] * len(prompts))] \
+        == plain
+    assert [eng.generate([p], params)[0].output_token_ids for p in prompts] == plain
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("method", ["draft_model", "suffix"])
+def test_bf16_greedy_token_trees_equal_plain_alone_and_batched(method):
+    """Tree steps (tree attention in the Triton kernel, KV compaction of the accepted path) on
+    CUDA: the same tokens as plain decoding."""
+    prompts = random_prompts([5, 40, 17, 90, 3, 64, 28, 11], seed=5)
+    prompts = [p + p[:12] + p for p in prompts]  # repeats, so suffix proposals branch
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain_eng = engine(fresh())
+    plain = [plain_eng.generate([p], params)[0].output_token_ids for p in prompts]
+    draft = fresh(seed=1) if method == "draft_model" else None
+    eng = engine(fresh(), method, draft, tree_max_nodes=16)
     assert [o.output_token_ids for o in staggered(eng, prompts, [params] * len(prompts))] \
         == plain
     assert [eng.generate([p], params)[0].output_token_ids for p in prompts] == plain

@@ -162,8 +162,8 @@ def test_static_padded_steps_give_the_eager_engine_s_tokens(method):
     CUDA-graph path without the capture); greedy output equals the eager SDPA engine's."""
     from engine.config import SpeculativeConfig
 
-    target = build_tiny_model("qwen2")
-    draft = build_tiny_model("qwen2", seed=1) if method == "draft_model" else None
+    target = build_tiny_model("qwen2").to(DEVICE)
+    draft = build_tiny_model("qwen2", seed=1).to(DEVICE) if method == "draft_model" else None
     prompts = random_prompts([3, 20, 9, 33, 14], seed=5)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
@@ -201,8 +201,8 @@ def test_static_steps_equal_eager_seeded_at_bucket_edges_while_the_batch_shrinks
     forwards (defer_reads) feed the static buckets from the device."""
     from engine.config import SpeculativeConfig
 
-    target = build_tiny_model("qwen2")
-    draft = build_tiny_model("qwen2", seed=1)
+    target = build_tiny_model("qwen2").to(DEVICE)
+    draft = build_tiny_model("qwen2", seed=1).to(DEVICE)
     prompts = random_prompts([3, 20, 9, 33, 14], seed=6)
     params = [SamplingParams(temperature=0.8, top_p=0.95, seed=10 + i, max_tokens=n,
                              ignore_eos=True) for i, n in enumerate([3, 7, 12, 16, 21])]
@@ -238,8 +238,8 @@ def test_split_kv_engine_output_does_not_change_with_speculation_batching_or_buc
     chunk holding generated rows) splits them as its decodes did."""
     from engine.config import SpeculativeConfig
 
-    target = build_tiny_model("qwen2")
-    draft = build_tiny_model("qwen2", seed=1)
+    target = build_tiny_model("qwen2").to(DEVICE)
+    draft = build_tiny_model("qwen2", seed=1).to(DEVICE)
     prompts = random_prompts([3, 33, 24], seed=7)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -274,3 +274,14 @@ def test_split_kv_needs_the_triton_backend():
                   model=build_tiny_model("qwen2"))
     with pytest.raises(ValueError, match="attention_kv_split"):
         EngineConfig(attention_kv_split=40)
+
+
+def test_the_triton_backend_on_a_cpu_model_needs_the_interpreter(monkeypatch):
+    """Compiled Triton launches only on CUDA tensors: a CPU model with attention_backend triton
+    is a config error at start, not a failed first step."""
+    from engine.attention import triton_backend
+
+    monkeypatch.setattr(triton_backend, "INTERPRETED", False)
+    with pytest.raises(ValueError, match="attention_backend triton needs a CUDA model"):
+        LLMEngine(EngineConfig(num_blocks=16, attention_backend="triton"),
+                  model=build_tiny_model("qwen2"))
