@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-SPEC_METHODS = ("none", "draft_model", "eagle", "ngram", "suffix", "hybrid")
+SPEC_METHODS = ("none", "draft_model", "eagle", "medusa", "ngram", "suffix", "hybrid")
 QUANTIZATION_MODES = ("none", "int8", "int4", "auto")
 INT4_KERNELS = ("auto", "vnni", "torch")  # engine/kernels/quant_linear.py
 
@@ -32,11 +32,12 @@ class SpeculativeConfig:
     # hybrid: per sequence per step, a suffix match or the model source (the draft model, or
     # the draft head `speculator` when set), whichever the cost model predicts pays most |
     # suffix | draft_model | eagle (a draft head trained from the target: `speculator`) |
-    # ngram (prompt lookup) | none
+    # medusa (Medusa heads trained from the target: `speculator`) | ngram (prompt lookup) |
+    # none
     method: str = "none"
     draft_model: str | None = None  # recipe name, folder or hub id (draft_model, hybrid)
-    # eagle (and hybrid): the folder of a head trained for the served target
-    # (`specserve speculator train`)
+    # eagle, medusa (and hybrid): the folder of a head (or Medusa heads) trained for the
+    # served target (`specserve speculator train [--kind medusa]`)
     speculator: str | None = None
     # the head's linears: none | int8 | int4 | auto (int4 on the CPU, where a bf16 head would
     # cost a fifth of an int4 target's step; none on CUDA); exactness does not need it
@@ -119,9 +120,10 @@ class SpeculativeConfig:
             raise ValueError("invalid speculative config speculator: method hybrid combines "
                              "suffix matches with one model source, a draft model or a "
                              "speculator; set one of draft_model and speculator")
-        if self.method == "eagle" and not self.speculator:
-            raise ValueError("invalid speculative config speculator: method eagle needs a "
-                             "speculator folder (train one with `specserve speculator train`)")
+        if self.method in ("eagle", "medusa") and not self.speculator:
+            raise ValueError(f"invalid speculative config speculator: method {self.method} "
+                             f"needs a speculator folder (train one with `specserve "
+                             f"speculator train --kind {self.method}`)")
         if not isinstance(self.suffix_cache_tokens, int) or self.suffix_cache_tokens < 0:
             raise ValueError("invalid speculative config suffix_cache_tokens: must be >= 0")
         if not isinstance(self.suffix_max_spec_tokens, int) \
@@ -150,9 +152,9 @@ class SpeculativeConfig:
 
     @property
     def uses_head(self) -> bool:
-        """A draft head reading the target's hidden states (engine/spec_decode/eagle.py):
-        eagle, or hybrid with a speculator."""
-        return self.enabled and (self.method == "eagle"
+        """Draft heads reading the target's hidden states (engine/spec_decode/eagle.py,
+        medusa.py): eagle, medusa, or hybrid with a speculator."""
+        return self.enabled and (self.method in ("eagle", "medusa")
                                  or (self.method == "hybrid" and bool(self.speculator)))
 
 

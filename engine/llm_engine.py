@@ -34,7 +34,7 @@ from engine.sample.verifier import Verifier
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sequence import Sequence
-from engine.spec_decode.eagle import load_speculator
+from engine.spec_decode.heads import load_speculator
 from engine.spec_decode.guard import StepRecord
 from engine.spec_decode.speculator import build_speculator
 from engine.spec_decode.traffic import TrafficRecorder

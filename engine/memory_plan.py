@@ -103,7 +103,9 @@ def bytes_per_block(models: list[torch.nn.Module], block_size: int, heads: tuple
                                                   shape.num_kv_heads, shape.head_dim,
                                                   model.get_input_embeddings().weight.dtype)
     dtype = models[0].get_input_embeddings().weight.dtype
-    for head in heads:
+    for head in heads:  # an EAGLE head's one layer (Medusa heads keep no KV)
+        if not hasattr(head.config, "num_kv_heads"):
+            continue
         per_block += PagedKVCache.bytes_per_block(1, block_size, head.config.num_kv_heads,
                                                   head.config.head_dim, dtype)
     return per_block

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-from engine.config import INT4_KERNELS, QUANTIZATION_MODES
+from engine.config import INT4_KERNELS, QUANTIZATION_MODES, SPEC_METHODS
 
 
 def _models_fetch(args: argparse.Namespace) -> int:
@@ -87,7 +87,8 @@ def _speculator_train(args: argparse.Namespace) -> int:
     from training.speculator import TrainOptions, format_report, train
 
     opts = TrainOptions(
-        target=args.target, out=args.out, prompts=args.prompts, text=args.text,
+        target=args.target, out=args.out, kind=args.kind, medusa_heads=args.medusa_heads,
+        prompts=args.prompts, text=args.text,
         temperatures=args.temperatures,
         minutes=args.minutes, data_share=args.data_share, max_new_tokens=args.max_new_tokens,
         concurrency=args.concurrency, quantization=args.quantization, dtype=args.dtype,
@@ -101,8 +102,8 @@ def _speculator_train(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(format_report(report))
-    print(f"saved {args.out}; serve it with speculative.method eagle, speculative.speculator "
-          f"{args.out}")
+    print(f"saved {args.out}; serve it with speculative.method {args.kind}, "
+          f"speculative.speculator {args.out}")
     return 0
 
 
@@ -126,6 +127,10 @@ def _add_speculator(sub) -> None:
                     "Rerunning the same command resumes from the data and checkpoint in OUT.")
     tr.add_argument("--target", required=True, help="recipe name, local folder or hub id")
     tr.add_argument("--out", required=True, help="the head's folder (data, checkpoints)")
+    tr.add_argument("--kind", choices=["eagle", "medusa"], default="eagle",
+                    help="eagle: one EAGLE-3 head; medusa: Medusa-1 heads (a static tree)")
+    tr.add_argument("--medusa-heads", type=int, default=4,
+                    help="--kind medusa: heads (head j guesses the token j + 2 ahead)")
     tr.add_argument("--prompts", help="chat JSONL ({\"messages\": [...]} or {\"prompt\": ...} "
                                       "per line); default: the built-in coding and prose set")
     tr.add_argument("--text", help="a folder of text files (source code, docs) for teacher "
@@ -256,11 +261,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="split the target's attention heads and MLP over this many ranks "
                           "(one process per GPU, cuda:0..N-1; on the CPU, per core group); "
                           "the draft model runs on rank 0")
-    srv.add_argument("--speculative", choices=["none", "draft_model", "eagle", "ngram",
-                                                     "suffix", "hybrid"],
+    srv.add_argument("--speculative", choices=list(SPEC_METHODS),
                      help="speculation method")
     srv.add_argument("--draft-model", help="draft model for --speculative draft_model/hybrid")
-    srv.add_argument("--speculator", help="a draft head's folder for --speculative eagle")
+    srv.add_argument("--speculator", help="a draft head's (or Medusa heads') folder for "
+                                          "--speculative eagle, medusa or hybrid")
     srv.add_argument("--k-max", type=int, help="most draft tokens per step (0..16)")
     srv.add_argument("--max-waiting-requests", type=int,
                      help="queue length beyond which requests get 429")

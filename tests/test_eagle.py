@@ -93,30 +93,37 @@ def test_training_raises_acceptance_well_above_an_untrained_head(trained, tmp_pa
     assert rates[1] > rates[0] + 0.15, rates
 
 
-@pytest.mark.parametrize("method,adaptive,tree", [("eagle", False, 0), ("hybrid", True, 0),
-                                                 ("eagle", False, 16), ("hybrid", True, 16)])
-def test_greedy_with_eagle_equals_plain_in_a_staggered_mixed_batch(trained, method, adaptive,
-                                                                   tree):
-    """Greedy and seeded requests, chains or (tree > 0) EAGLE-2 token trees beside chains."""
-    path, _ = trained
+def mixed_batch_exactness(kind: str, method: str, path: str, k_max: int, adaptive: bool,
+                          tree: int) -> None:
+    """Greedy and seeded requests in a staggered batch (repeated prompts: suffix matches in
+    hybrid) with `kind`'s heads at `path`: the tokens of plain decoding, `kind`'s drafts
+    accepted, (tree > 0) its trees verified, nothing leaked."""
     target = tiny_target()
     base = random_prompts([12, 7, 20], seed=9)
     prompts = held_out_prompts() + [b * 3 for b in base] + random_prompts([3, 40, 1], seed=4)
     params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
               SamplingParams(temperature=0.8, seed=7, max_tokens=30, ignore_eos=True)] * 5
     plain = staggered(make_engine(target), prompts, params)
-    engine = make_engine(target, method, speculator=path, k_max=4, adaptive=adaptive,
+    engine = make_engine(target, method, speculator=path, k_max=k_max, adaptive=adaptive,
                          tree_max_nodes=tree)
     spec = staggered(engine, prompts, params)
     assert [o.output_token_ids for o in spec] == [o.output_token_ids for o in plain]
     st = engine.speculator.stats
-    assert st.by_method["eagle"][2] > 0  # eagle drafts were accepted
-    if tree:  # the head's trees were verified (a tree of one-hot drafts: no q)
-        assert st.tree_verifications_by_method.get("eagle", 0) > 0
+    assert st.by_method[kind][2] > 0  # the heads' drafts were accepted
+    # (a tree of one-hot drafts: no q)
+    assert (st.tree_verifications_by_method.get(kind, 0) > 0) == (tree > 0)
     if method == "hybrid":
         assert st.by_method.get("suffix", [0])[0] > 0  # the repeated prompts matched
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     assert engine.speculator.num_states == 0
+
+
+@pytest.mark.parametrize("method,adaptive,tree", [("eagle", False, 0), ("hybrid", True, 0),
+                                                 ("eagle", False, 16), ("hybrid", True, 16)])
+def test_greedy_with_eagle_equals_plain_in_a_staggered_mixed_batch(trained, method, adaptive,
+                                                                   tree):
+    """Greedy and seeded requests, chains or (tree > 0) EAGLE-2 token trees beside chains."""
+    mixed_batch_exactness("eagle", method, trained[0], 4, adaptive, tree)
 
 
 def test_a_heads_token_tree_accepts_more_per_step_than_its_chain(trained):
@@ -135,25 +142,30 @@ def test_a_heads_token_tree_accepts_more_per_step_than_its_chain(trained):
     assert lengths[1] > 1.1 * lengths[0], lengths
 
 
-@pytest.mark.parametrize("tree", [0, 16])
-def test_eagle_stays_exact_with_preemption_and_after_prefix_cache_hits(trained, tree):
-    path, _ = trained
+def preemption_and_prefix_exactness(method: str, path: str, k_max: int, tree: int):
+    """Greedy requests sharing a prefix on a pool small enough to preempt, the first alone
+    (it caches the prefix): the tokens of plain decoding; returns the speculating engine."""
     target = tiny_target()
     shared = random_prompts([40], seed=3)[0]
     prompts = [shared + p for p in random_prompts([5, 9, 2, 14, 7, 3], seed=5)]
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     plain = make_engine(target).generate(prompts, greedy)
-    engine = make_engine(target, "eagle", speculator=path, k_max=4, num_blocks=24,
+    engine = make_engine(target, method, speculator=path, k_max=k_max, num_blocks=24,
                          block_size=8, tree_max_nodes=tree)
     first = engine.generate(prompts[:1], greedy)  # caches the shared prefix
     rest = engine.generate(prompts[1:], greedy)
     assert [o.output_token_ids for o in first + rest] == [o.output_token_ids for o in plain]
     assert engine.scheduler.stats.num_preemptions > 0
     assert engine.block_manager.prefix_stats.hits > 0
-    # a hit leaves one head row per hit without the feature before it, never the prefix
-    proposer = engine.speculator.proposer
-    assert 0 < proposer.rows_without_features <= 2 * len(prompts)
     assert engine.speculator.stats.num_accepted_tokens > 0
+    return engine
+
+
+@pytest.mark.parametrize("tree", [0, 16])
+def test_eagle_stays_exact_with_preemption_and_after_prefix_cache_hits(trained, tree):
+    engine = preemption_and_prefix_exactness("eagle", trained[0], 4, tree)
+    # a hit leaves one head row per hit without the feature before it, never the prefix
+    assert 0 < engine.speculator.proposer.rows_without_features <= 2 * 6
 
 
 def test_eagle_sampled_output_keeps_the_target_distribution(tmp_path):
@@ -187,14 +199,12 @@ def test_eagle_with_a_vocabulary_subset_and_penalties_stays_exact(tmp_path):
     assert [o.output_token_ids for o in spec] == [o.output_token_ids for o in plain]
 
 
-@pytest.mark.parametrize("tree", [0, 16])
-def test_eagle_under_a_grammar_stays_exact(trained, tree):
-    """Chains cut at the first token the grammar refuses; trees (tree > 0) cut to the nodes
-    whose paths it allows, verified with each node's mask after its path."""
+def grammar_exactness(method: str, path: str, tree: int, k_max: int = 4):
+    """Greedy and seeded requests under a regex grammar, with `method`'s heads at `path` and
+    without speculation: the same tokens; returns the speculating engine."""
     from engine import EngineConfig, LLMEngine, structured
     from engine.config import SpeculativeConfig
 
-    path, _ = trained
     tok = build_tokenizer()
     grammar = structured.regex(r"[a-z ]{1,40}[0-9]{2,6}")
     params = [SamplingParams(temperature=0, max_tokens=40, grammar=grammar),
@@ -207,11 +217,19 @@ def test_eagle_under_a_grammar_stays_exact(trained, tree):
         return engine, engine.generate(prompts, params)
 
     _, plain = run(SpeculativeConfig())
-    engine, spec = run(SpeculativeConfig(method="eagle", speculator=path, k_max=4,
+    engine, spec = run(SpeculativeConfig(method=method, speculator=path, k_max=k_max,
                                          adaptive=False, calibrate=False,
                                          tree_max_nodes=tree))
     assert [o.output_token_ids for o in spec] == [o.output_token_ids for o in plain]
     assert engine.speculator.stats.num_draft_tokens > 0
+    return engine
+
+
+@pytest.mark.parametrize("tree", [0, 16])
+def test_eagle_under_a_grammar_stays_exact(trained, tree):
+    """Chains cut at the first token the grammar refuses; trees (tree > 0) cut to the nodes
+    whose paths it allows, verified with each node's mask after its path."""
+    engine = grammar_exactness("eagle", trained[0], tree)
     assert (engine.speculator.stats.num_tree_verifications > 0) == (tree > 0)
 
 

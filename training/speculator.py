@@ -39,8 +39,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from engine.spec_decode.eagle import (EagleHead, head_config, initialize_from_target,
-                                      load_head, save_head)
+from engine.spec_decode import medusa
+from engine.spec_decode import heads as speculator_files
+from engine.spec_decode.eagle import EagleHead, head_config, initialize_from_target, save_head
+from training import medusa as medusa_training
 from engine.spec_decode.speculator import NoSpeculation
 
 log = logging.getLogger("specserve.train")
@@ -55,6 +57,8 @@ TEXT_SUFFIXES = {".py", ".md", ".txt", ".rst", ".js", ".ts", ".go", ".rs", ".jav
 class TrainOptions:
     target: str  # recipe name, folder or hub id (as `engine.model`)
     out: str  # the head's folder (checkpoints and data under it)
+    kind: str = "eagle"  # eagle (one EAGLE-3 head) | medusa (Medusa-1 heads)
+    medusa_heads: int = 4  # medusa: heads (head j guesses the token j + 2 ahead)
     prompts: str | None = None  # chat JSONL ({"messages": [...]} or {"prompt": "..."})
     text: str | None = None  # a folder of raw text files for teacher forcing
     minutes: float = 60.0  # the whole budget: data, training, report
@@ -348,7 +352,10 @@ class Labels:
 
 def step_losses(head: EagleHead, embed, ex: Example, labels: Labels, steps: int,
                 feature_loss: float) -> tuple[torch.Tensor, list[float]]:
-    """The example's training loss and each step's top-1 accuracy (trained rows)."""
+    """The example's training loss and each step's (Medusa: each head's) top-1 accuracy
+    (trained rows)."""
+    if isinstance(head, medusa.MedusaHeads):
+        return medusa_training.losses(head, ex, labels)
     device = next(head.parameters()).device
     total, accuracy, weight = torch.zeros((), device=device), [], 0.0
     n = len(ex.ids)
@@ -383,6 +390,8 @@ def acceptance_lengths(head: EagleHead, embed, examples: list[Example], labels: 
     + 1), over the answer positions of `examples` where greedy decoding would have emitted
     the recorded tokens (each draft compared with the target's top token, and the chain fed
     the recorded token only where it is that top token)."""
+    if isinstance(head, medusa.MedusaHeads):
+        return medusa_training.acceptance_lengths(head, examples, labels, k)
     sums, counts = [0.0] * k, [0] * k
     for ex in examples:
         outs = ttt_forward(head, embed, ex, k)
@@ -442,13 +451,7 @@ def train(opts: TrainOptions, model=None, tokenizer=None) -> dict:
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
     device = next(target.parameters()).device
-    head = None
-    if opts.resume:  # a served head, fine-tuned (its own config: layers, vocabulary)
-        head = load_head(opts.resume, target, torch.float32, device, "--resume")
-        config = head.config
-    else:
-        config = head_config(target, opts.target,
-                             _draft_vocab(tok, opts.draft_vocab_size, engine.vocab_size))
+    head, config = _new_or_resumed(opts, target, tok, engine.vocab_size, device)
     data_deadline = started + 60.0 * opts.minutes * opts.data_share
     examples, held = (_traffic_examples(opts, target, config.layers, data_deadline)
                       if opts.from_traffic else
@@ -462,8 +465,9 @@ def train(opts: TrainOptions, model=None, tokenizer=None) -> dict:
         windows = text_windows(opts.text, tok, opts.max_seq_len)
         training += [teacher_forced(target, config.layers, w, 1) for w in windows]
     if head is None:
-        head = EagleHead(config)
-        initialize_from_target(head, target)
+        head = (medusa.MedusaHeads(config) if opts.kind == "medusa" else EagleHead(config))
+        (medusa.initialize_from_target if opts.kind == "medusa"
+         else initialize_from_target)(head, target)
         head = head.to(device)  # float32 master weights
     embed = target.get_input_embeddings()
     labels = Labels(head.vocab, engine.vocab_size)
@@ -481,9 +485,32 @@ def train(opts: TrainOptions, model=None, tokenizer=None) -> dict:
               "acceptance_length_untrained": before, "acceptance_length": after,
               "minutes": (time.monotonic() - started) / 60.0, **trained}
     head.config.trained = report
-    save_head(head, str(out))
+    if isinstance(head, medusa.MedusaHeads):  # its sparse tree, from held-out accuracies
+        head.config.accuracy = medusa_training.rank_accuracy(head, evaluation, labels)
+        head.config.tree = medusa.choose_tree(head.config.accuracy)
+        report["rank_accuracy"] = head.config.accuracy
+        medusa.save_heads(head, str(out))
+    else:
+        save_head(head, str(out))
     (out / "report.json").write_text(json.dumps(report, indent=2))
     return report
+
+
+def _new_or_resumed(opts: TrainOptions, target, tok, vocab_size: int, device):
+    """(head, config) of a served head to fine-tune (`--resume`, of the kind asked for), or
+    (None, a new head's config)."""
+    if opts.kind not in ("eagle", "medusa"):
+        raise ValueError(f"--kind {opts.kind!r}: use eagle or medusa")
+    if opts.resume:  # a served head, fine-tuned (its own config: layers, vocabulary)
+        head = speculator_files.load(opts.resume, opts.kind, target, torch.float32, device,
+                                     "--resume")
+        return head, head.config
+    vocab = _draft_vocab(tok, opts.draft_vocab_size, vocab_size)
+    if opts.kind == "medusa":
+        if not 1 <= opts.medusa_heads <= 16:
+            raise ValueError(f"--medusa-heads {opts.medusa_heads}: use 1..16")
+        return None, medusa.medusa_config(target, opts.target, vocab, opts.medusa_heads)
+    return None, head_config(target, opts.target, vocab)
 
 
 def _answered_examples(opts: TrainOptions, engine, tok, layers: list[int],

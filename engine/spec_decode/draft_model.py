@@ -58,6 +58,7 @@ def check_vocab(draft_vocab: int, target_vocab: int, tokenizer_size: int | None)
 
 class DraftModelProposer(Proposer):
     trees = True
+    method = "draft_model"
 
     def __init__(self, model: torch.nn.Module, plan: RunnerPlan, block_manager: BlockManager,
                  target_vocab_size: int, max_model_len: int, *,

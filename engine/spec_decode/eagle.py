@@ -29,8 +29,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.config import EngineConfig
-from engine.models.quantize import quantize_model
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -201,7 +199,8 @@ def save_head(head: EagleHead, path: str) -> None:
     os.replace(os.path.join(path, CONFIG_FILE + ".tmp"), os.path.join(path, CONFIG_FILE))
 
 
-def read_config(path: str, option: str = "speculative.speculator") -> HeadConfig:
+def read_json(path: str, option: str) -> tuple[dict, str]:
+    """(the config.json of the speculator folder `path`, its file name), or HeadFileError."""
     where = os.path.join(path, CONFIG_FILE)
     if not os.path.isdir(path):
         raise HeadFileError(f"invalid {option}: {path!r} is not a folder (a speculator is a "
@@ -210,12 +209,20 @@ def read_config(path: str, option: str = "speculative.speculator") -> HeadConfig
     try:
         with open(where) as f:
             data = json.load(f)
-        if data.get("format") != FORMAT:
-            raise ValueError(f"format {data.get('format')!r}, expected {FORMAT!r}")
-        return HeadConfig(**data)
     except FileNotFoundError:
         raise HeadFileError(f"invalid {option}: {where} is missing") from None
-    except (ValueError, TypeError) as exc:
+    except ValueError as exc:
+        raise HeadFileError(f"invalid {option}: {where} is not a speculator config ({exc})"
+                            ) from None
+    if not isinstance(data, dict):
+        raise HeadFileError(f"invalid {option}: {where} is not a speculator config")
+    return data, where
+
+
+def config_from(data: dict, where: str, option: str) -> HeadConfig:
+    try:
+        return HeadConfig(**data)
+    except TypeError as exc:
         raise HeadFileError(f"invalid {option}: {where} is not a speculator config ({exc})"
                             ) from None
 
@@ -250,12 +257,23 @@ def check_same_target(name: str, shape_then: dict, fingerprint_then: list, model
 def load_head(path: str, model: nn.Module, dtype: torch.dtype, device: torch.device,
               option: str = "speculative.speculator") -> EagleHead:
     """The head in folder `path`, checked against the target `model`; HeadFileError naming
-    `option` when it is missing, corrupt or for another target."""
+    `option` when it is missing, corrupt, not an EAGLE head or for another target."""
+    data, where = read_json(path, option)
+    if data.get("format") != FORMAT:
+        raise HeadFileError(f"invalid {option}: {where} is not an EAGLE head's config (format "
+                            f"{data.get('format')!r}, expected {FORMAT!r})")
+    config = config_from(data, where, option)
+    check_target(config, model, option)
+    head = EagleHead(config)
+    load_weights(head, path, option)
+    return head.to(device=device, dtype=dtype).eval()
+
+
+def load_weights(module: nn.Module, path: str, option: str) -> None:
+    """The weights of the folder `path` into `module` (strict, finite), or HeadFileError."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    config = read_config(path, option)
-    check_target(config, model, option)
     where = os.path.join(path, WEIGHTS_FILE)
     try:
         tensors = load_file(where)
@@ -263,31 +281,14 @@ def load_head(path: str, model: nn.Module, dtype: torch.dtype, device: torch.dev
         raise HeadFileError(f"invalid {option}: {where} is missing") from None
     except (SafetensorError, OSError, ValueError) as exc:
         raise HeadFileError(f"invalid {option}: {where} is corrupt ({exc})") from None
-    head = EagleHead(config)
     try:
-        head.load_state_dict(tensors, strict=True)
+        module.load_state_dict(tensors, strict=True)
     except RuntimeError as exc:
         raise HeadFileError(f"invalid {option}: {where} does not hold this config's head "
                             f"({str(exc).splitlines()[0]})") from None
     if not all(math.isfinite(float(t.float().abs().max())) for t in tensors.values()
                if t.numel()):
         raise HeadFileError(f"invalid {option}: {where} holds non-finite weights")
-    return head.to(device=device, dtype=dtype).eval()
-
-
-def load_speculator(config: EngineConfig, target: nn.Module) -> EagleHead | None:
-    """The draft head `speculative.speculator` names, checked against the target (a clear
-    error naming the option when it is missing, corrupt or for another target) and quantized
-    as `speculator_quantization` says, or None where the config serves no head."""
-    if not config.speculative.uses_head:
-        return None
-    weight = target.get_input_embeddings().weight
-    head = load_head(config.speculative.speculator, target, weight.dtype, weight.device)
-    mode = config.speculative.speculator_quantization
-    if mode == "auto":
-        mode = "int4" if weight.device.type == "cpu" else "none"
-    quantize_model(head, mode, int4_kernel=config.int4_kernel, dtype=weight.dtype)
-    return head
 
 
 def initialize_from_target(head: EagleHead, model: nn.Module) -> None:

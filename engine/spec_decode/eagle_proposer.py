@@ -48,6 +48,7 @@ ABSORB_ROWS = 64  # a sequence not drafting absorbs its waiting features once th
 
 class EagleProposer(Proposer):
     trees = True
+    method = "eagle"
 
     def __init__(self, head: EagleHead, target: torch.nn.Module, block_manager: BlockManager,
                  target_vocab_size: int, attention_backend: str = "sdpa", *, seed: int = 0,

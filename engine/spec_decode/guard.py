@@ -94,7 +94,7 @@ class Choice(NamedTuple):
 class Guard:
     def __init__(self, config: SpeculativeConfig, stats: SpecDecodeStats, method: str,
                  has_proposer: bool, has_suffix: bool, max_num_batched_tokens: int) -> None:
-        """method: the proposer's ("draft_model", "eagle", "ngram"); has_proposer: it is
+        """method: the proposer's ("draft_model", "eagle", "medusa", "ngram"); has_proposer: it is
         served (False: suffix only); stats: where the choices and draft time are counted."""
         self.config = config
         self.stats = stats
@@ -103,7 +103,7 @@ class Guard:
         self.has_suffix = has_suffix
         self.budget = max_num_batched_tokens
         self.controller = KController(config.k_max, config.adaptive,
-                                      draft_cost_free=config.method == "ngram")
+                                      draft_cost_free=method in ("ngram", "medusa"))
         self.realized = RealizedRates()
         self._last = _LastProposal()
         self._mean_output: float | None = None  # output tokens of recently finished requests

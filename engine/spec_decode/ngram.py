@@ -31,6 +31,8 @@ def ngram_lookup(tokens: list[int] | np.ndarray, k: int, min_n: int, max_n: int)
 
 
 class NgramProposer(Proposer):
+    method = "ngram"
+
     def __init__(self, min_n: int = 1, max_n: int = 4) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError("invalid speculative config: need 1 <= ngram_min_n <= ngram_max_n")

@@ -52,6 +52,7 @@ class Proposal:
 
 class Proposer(ABC):
     trees = False  # drafts token trees too (`propose_tree`)
+    method = ""  # its name in counters: draft_model, eagle, medusa, ngram
 
     @abstractmethod
     def propose(self, seqs: list[Sequence], ks: list[int]) -> Proposal:

@@ -40,6 +40,8 @@ from engine.spec_decode.draft_model import DraftModelProposer
 from engine.spec_decode.eagle import EagleHead
 from engine.spec_decode.eagle_proposer import EagleProposer
 from engine.spec_decode.guard import Guard, StepRecord
+from engine.spec_decode.medusa import MedusaHeads
+from engine.spec_decode.medusa_proposer import MedusaProposer
 from engine.spec_decode.ngram import NgramProposer
 from engine.spec_decode.prediction import PredictionMatcher
 from engine.spec_decode.proposer import Proposer
@@ -122,8 +124,7 @@ class Speculator(NoSpeculation):
         self.coupled = config.verification == "coupled"
         self.proposer = proposer  # the draft model, a head or prompt lookup; None: suffix only
         self.suffix = suffix  # suffix and hybrid
-        self.method = ("eagle" if config.uses_head else "ngram" if config.method == "ngram"
-                       else "draft_model")  # the proposer's
+        self.method = proposer.method if proposer is not None else "draft_model"
         self.max_model_len = max_model_len
         k_stats = max(config.k_max, config.suffix_max_spec_tokens if suffix else 0)
         self.stats = SpecDecodeStats(k_max=k_stats)
@@ -424,17 +425,19 @@ def build_speculator(config: EngineConfig, plan: RunnerPlan, target: ModelRunner
                      block_manager: BlockManager, draft_model: torch.nn.Module | None,
                      tokenizer_size: int | None, max_model_len: int,
                      draft_vocabulary: torch.Tensor | None = None,
-                     head: EagleHead | None = None) -> NoSpeculation:
+                     head: EagleHead | MedusaHeads | None = None) -> NoSpeculation:
     """The speculation the config asks for (calibrated when adaptive), or `NoSpeculation`.
     A draft model's runner follows `plan`, as the target's does; `draft_vocabulary`: the ids a
     draft model scores (None: all); `head`: the eagle method's head (the target's runner
-    captures the layers it reads)."""
+    captures the layers it reads); Medusa heads for the medusa method (or hybrid)."""
     speculative = config.speculative
     if not speculative.enabled:
         return NoSpeculation()
     proposer: Proposer | None = None
     if speculative.method == "ngram":
         proposer = NgramProposer(speculative.ngram_min_n, speculative.ngram_max_n)
+    elif isinstance(head, MedusaHeads):
+        proposer = MedusaProposer(head)
     elif speculative.uses_head:
         proposer = EagleProposer(
             head, target.model, block_manager, target.shape.vocab_size, plan.attention_backend,
@@ -457,5 +460,6 @@ def build_speculator(config: EngineConfig, plan: RunnerPlan, target: ModelRunner
                             target.device, suffix)
     if speculative.adaptive and speculative.calibrate:
         calibrate(speculator.guard.controller, block_manager, target,
-                  proposer if speculative.uses_head else getattr(proposer, "runner", None))
+                  proposer if isinstance(proposer, EagleProposer)
+                  else getattr(proposer, "runner", None))
     return speculator
