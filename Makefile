@@ -5,7 +5,7 @@ STAMP := $(VENV)/.specserve-installed
 PYTEST_ARGS ?=
 
 .PHONY: install test serve bench-engine bench-spec bench-methods bench-trees bench-predicted \
-	bench-eagle bench-trees-eagle bench-server bench-tp bench-llamacpp wheelhouse gpu-check clean
+	bench-eagle bench-trees-eagle bench-medusa bench-server bench-tp bench-llamacpp wheelhouse gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -71,6 +71,17 @@ bench-trees-eagle: install
 	test -f $(SPECULATOR)/config.json || $(VENV)/bin/specserve speculator train \
 		--target qwen2.5-coder-1.5b-instruct --out $(SPECULATOR) --minutes 60 --concurrency 32
 	$(PY) bench/spec_methods.py --trees --speculator $(SPECULATOR)
+
+# Medusa heads against the EAGLE head, both trained once for 30 minutes on the same pipeline
+# and cached: plain, eagle, medusa chains and trees, hybrid with the heads.
+MEDUSA ?= $(HOME)/.cache/specserve/speculators/qwen2.5-coder-1.5b-instruct-medusa
+bench-medusa: install
+	$(VENV)/bin/specserve models fetch qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct
+	test -f $(SPECULATOR)/config.json || $(VENV)/bin/specserve speculator train \
+		--target qwen2.5-coder-1.5b-instruct --out $(SPECULATOR) --minutes 30 --concurrency 32
+	test -f $(MEDUSA)/config.json || $(VENV)/bin/specserve speculator train --kind medusa \
+		--target qwen2.5-coder-1.5b-instruct --out $(MEDUSA) --minutes 30 --concurrency 32
+	$(PY) bench/spec_methods.py --speculator $(SPECULATOR) --medusa $(MEDUSA)
 
 # specserve (bf16, int4, int4 + speculation) against llama.cpp's server on the same GGUF files;
 # builds llama-server once from the llama-cpp-python source package, native to this CPU

@@ -9,6 +9,10 @@ head), the per-forward cost of the head against the target's, and an eagle RESUL
 `--trees`: suffix, the draft model and hybrid with chains only and with token trees (`make
 bench-trees`); with `--trees --speculator DIR`: the head's chains against its EAGLE-2 dynamic
 trees (`make bench-trees-eagle`); both report the target pass's measured cost per row count.
+With `--medusa DIR --speculator DIR` (`make bench-medusa`): Medusa heads against the EAGLE
+head trained on the same pipeline: plain, eagle, medusa_chain (each head's best token),
+medusa (its sparse tree of TREE_NODES nodes) and hybrid_medusa (suffix matches or the heads'
+tree), the heads' cost against the target's, a medusa RESULT line.
 Target and draft as `make serve` serves them by default (`--quantization auto`: int4 on the
 CPU from the GGUF's blocks; the draft int4 with a 32,768-token vocabulary);
 `--quantization none` runs the bf16 target. Greedy unless stated.
@@ -29,11 +33,11 @@ by an earlier case's text. Greedy identity: each method's token ids vs plain's.
 
     python bench/spec_methods.py [--quantization auto|int4|none] [--max-tokens 48]
                                  [--c1-prompts 4] [--repeats 2] [--quick]
-                                 [--speculator DIR] [--trees]
+                                 [--speculator DIR] [--trees] [--medusa DIR]
 
 Prints a table, ends with a RESULT line, writes bench/results/spec_methods.md
 (spec_methods_eagle.md with --speculator, spec_methods_trees.md with --trees,
-spec_methods_trees_eagle.md with both).
+spec_methods_trees_eagle.md with both, spec_methods_medusa.md with --medusa).
 """
 
 from __future__ import annotations
@@ -70,6 +74,9 @@ TREE_METHODS = ("plain", "suffix_chain", "suffix", "draft_model_chain", "draft_m
                 "hybrid_chain", "hybrid")
 # with --trees --speculator: the head's chains against its EAGLE-2 dynamic trees
 TREE_EAGLE_METHODS = ("plain", "eagle_chain", "eagle")
+# with --medusa: Medusa heads (chains and their sparse tree, alone and in hybrid) beside the
+# EAGLE head
+MEDUSA_METHODS = ("plain", "eagle", "medusa_chain", "medusa", "hybrid_medusa")
 TREE_NODES = 16
 
 
@@ -120,16 +127,20 @@ def verify_costs(engine) -> str:
 
 
 def make_engine(method, target, draft, tok, k_max, draft_vocab_size, speculator=None,
-                trees=False):
-    """trees: suffix and hybrid draft token trees (a "_chain" method: chains only)."""
+                trees=False, medusa=None):
+    """trees: suffix and hybrid draft token trees (a "_chain" method: chains only); medusa:
+    Medusa heads for medusa and hybrid_medusa, whose trees are on unless "_chain"."""
     chains = method.endswith("_chain")
     method = method.removesuffix("_chain")
-    heads = method in ("eagle", "hybrid_eagle")
+    folder = (speculator if method in ("eagle", "hybrid_eagle")
+              else medusa if method in ("medusa", "hybrid_medusa") else None)
+    if method in ("medusa", "hybrid_medusa"):
+        trees = True
     tree_nodes = TREE_NODES if trees and not chains else 0
-    spec = SpeculativeConfig(method={"plain": "none", "hybrid_eagle": "hybrid"}.get(method,
-                                                                                   method),
+    spec = SpeculativeConfig(method={"plain": "none", "hybrid_eagle": "hybrid",
+                                     "hybrid_medusa": "hybrid"}.get(method, method),
                              draft_model=DRAFT if method in ("draft_model", "hybrid") else None,
-                             speculator=speculator if heads else None,
+                             speculator=folder,
                              k_max=k_max, adaptive=True, draft_vocab_size=draft_vocab_size,
                              tree_max_nodes=tree_nodes)
     uses_draft = method in ("draft_model", "hybrid")  # (a "_chain" method's too)
@@ -138,29 +149,80 @@ def make_engine(method, target, draft, tok, k_max, draft_vocab_size, speculator=
                      model=target, tokenizer=tok, draft_model=draft if uses_draft else None)
 
 
+def medusa_vs_target_cost(engine, repeats: int = 20) -> tuple[float, float]:
+    """Median seconds of one forward of the Medusa heads (1 row: every head's scores) and of
+    the target's decode forward (1 row, after 256 tokens), the latter from head_vs_target_cost's
+    way of timing it."""
+    heads = engine.speculator.proposer.heads
+    x = torch.zeros((1, heads.config.hidden_size), dtype=heads.norm.weight.dtype)
+    samples = []
+    with torch.inference_mode():
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            heads(x).argmax(-1).tolist()
+            samples.append(time.perf_counter() - t0)
+    return sorted(samples)[len(samples) // 2], target_decode_seconds(engine)
+
+
 def head_vs_target_cost(engine, context: int = 256, repeats: int = 20) -> tuple[float, float]:
     """Median seconds of one head forward (1 row, as a chained draft step) and of one target
     decode forward (1 row), both after `context` tokens."""
+    return (_median_forward(engine, engine.speculator.proposer.execute, context, repeats),
+            target_decode_seconds(engine, context, repeats))
+
+
+def target_decode_seconds(engine, context: int = 256, repeats: int = 20) -> float:
+    return _median_forward(engine, engine.runner.execute, context, repeats)
+
+
+def _median_forward(engine, execute, context: int, repeats: int) -> float:
+    """Median seconds of `execute` on one row after `context` tokens of a dummy sequence."""
     from engine.batch import RunItem
     from engine.sequence import Sequence
 
-    bm, proposer = engine.block_manager, engine.speculator.proposer
+    bm = engine.block_manager
     dummy = Sequence("__cost__", [0] * (context + 1), SamplingParams())
     assert bm.allocate(dummy, context + 1)
     item = RunItem([0], context, dummy.block_table, 1, context)
     try:
         engine.runner.execute([RunItem([0] * context, 0, dummy.block_table, 1, context)])
-        times = {}
-        for name, run_one in (("head", proposer.execute), ("target", engine.runner.execute)):
-            samples = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                run_one([item]).logits.argmax(-1).tolist()
-                samples.append(time.perf_counter() - t0)
-            times[name] = sorted(samples)[len(samples) // 2]
+        samples = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            execute([item]).logits.argmax(-1).tolist()
+            samples.append(time.perf_counter() - t0)
     finally:
         bm.free(dummy)
-    return times["head"], times["target"]
+    return sorted(samples)[len(samples) // 2]
+
+
+def medusa_details(args, engines) -> str:
+    heads, target = medusa_vs_target_cost(engines["medusa"])
+    eagle, _ = head_vs_target_cost(engines["eagle"])
+    config = engines["medusa"].speculator.proposer.heads.config
+    accuracy = "; ".join(f"head {j + 1}: " + ", ".join(f"{a:.2f}" for a in row[:4])
+                         for j, row in enumerate(config.accuracy))
+    return (f"medusa {args.medusa}: {config.num_heads} heads, {describe_head(args.medusa)}; "
+            f"held-out accuracy by rank 1-4 per head: {accuracy}; one forward of all heads "
+            f"(1 row) {1e3 * heads:.2f} ms, the EAGLE head's {1e3 * eagle:.2f} ms, a target "
+            f"decode forward {1e3 * target:.1f} ms; eagle {args.speculator}: "
+            f"{describe_head(args.speculator)}; medusa and hybrid_medusa draft trees of at "
+            f"most {TREE_NODES} nodes, eagle and medusa_chain chains")
+
+
+def medusa_result(rates, accept_len, engines, worst_any) -> str:
+    def x(a, b, w="chat"):
+        return rates[a, w, 1] / rates[b, w, 1]
+
+    heads, target = medusa_vs_target_cost(engines["medusa"])
+    return (f"RESULT medusa_chat_vs_plain={x('medusa', 'plain'):.2f} "
+            f"medusa_vs_eagle_chat={x('medusa', 'eagle'):.2f} "
+            f"medusa_tree_vs_chain_chat={x('medusa', 'medusa_chain'):.2f} "
+            f"medusa_code_edit_vs_plain={x('medusa', 'plain', 'code_edit'):.2f} "
+            f"hybrid_medusa_code_edit={x('hybrid_medusa', 'plain', 'code_edit'):.2f} "
+            f"medusa_accept_len={accept_len.get(('medusa', 'medusa', 'chat', 1), 0):.2f} "
+            f"eagle_accept_len={accept_len.get(('eagle', 'eagle', 'chat', 1), 0):.2f} "
+            f"medusa_heads_cost={heads / target:.3f} worst_vs_plain={worst_any:.2f}")
 
 
 def describe_head(path) -> str:
@@ -250,6 +312,10 @@ def main() -> int:
     parser.add_argument("--speculator", default=None,
                         help="a draft head for the target (specserve speculator train): run "
                              "plain, draft_model, eagle and hybrid with the head instead")
+    parser.add_argument("--medusa", default=None,
+                        help="Medusa heads for the target (speculator train --kind medusa), "
+                             "with --speculator: plain, eagle, medusa chains and trees, "
+                             "hybrid with the heads")
     parser.add_argument("--trees", action="store_true",
                         help="plain, suffix, draft model, hybrid: chains only and with token trees "
                              f"(tree_max_nodes 0 and {TREE_NODES})")
@@ -258,12 +324,16 @@ def main() -> int:
                              "spec_methods_eagle.md with --speculator, spec_methods_trees.md "
                              "with --trees)")
     args = parser.parse_args()
+    if args.medusa and not args.speculator:
+        parser.error("--medusa needs --speculator (the EAGLE head it is compared with)")
     default_out = str(ROOT / "bench/results" / (
-        "spec_methods_trees_eagle.md" if args.speculator and args.trees
+        "spec_methods_medusa.md" if args.medusa
+        else "spec_methods_trees_eagle.md" if args.speculator and args.trees
         else "spec_methods_eagle.md" if args.speculator
         else "spec_methods_trees.md" if args.trees else "spec_methods.md"))
     args.out = args.out or default_out
-    methods_run = (TREE_EAGLE_METHODS if args.speculator and args.trees
+    methods_run = (MEDUSA_METHODS if args.medusa
+                   else TREE_EAGLE_METHODS if args.speculator and args.trees
                    else EAGLE_METHODS if args.speculator else TREE_METHODS if args.trees
                    else METHODS)
     target, tok, form, draft = load_pair(args)
@@ -289,7 +359,7 @@ def main() -> int:
     rows, plain_out, identical = [], {}, {}
     c1 = 2 if args.quick else args.c1_prompts
     engines = {m: make_engine(m, target, draft, tok, args.k_max, args.draft_vocab_size,
-                              args.speculator, args.trees) for m in methods_run}
+                              args.speculator, args.trees, args.medusa) for m in methods_run}
     hybrid = methods_run[-1]
 
     def measure(method, name, c, rounds_c, params_c):
@@ -398,7 +468,10 @@ def main() -> int:
             write_results(args.out, f"Speculation methods, cases {args.cases}",
                           torch.get_num_threads(), details, table, summary)
         return 0
-    if args.trees:
+    if args.medusa:
+        details.append(medusa_details(args, engines))
+        result = medusa_result(rates, accept_len, engines, worst_any)
+    elif args.trees:
         details.append(f"token trees of at most {TREE_NODES} nodes; the target pass's "
                        f"measured cost by rows (one sequence, the tree engine's cost model): "
                        f"{verify_costs(engines[methods_run[-1]])}")

@@ -23,6 +23,9 @@ plain engine through its public API and reads the target's layers the way the ru
    Checkpoints every few minutes; a rerun of the same command resumes.
 3. Report: acceptance length per k on held-out conversations (greedy: drafts compared with the
    target's own top token), before and after training.
+`--kind medusa` trains Medusa heads instead (engine/spec_decode/medusa.py) on the same data,
+budget, checkpoints and report, from the target's last layer: their losses, acceptance and the
+(head, rank) accuracies that choose their sparse tree are in training/medusa.py.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ class MedusaProposer(Proposer):
 
     def __init__(self, heads: MedusaHeads) -> None:
         self.heads = heads
-        self.device = next(heads.parameters()).device
+        self.device = heads.norm.weight.device
         c = heads.config
         self.accuracy = c.accuracy or default_accuracy(c.num_heads)
         self.tree = c.tree or choose_tree(self.accuracy)
@@ -76,8 +76,7 @@ class MedusaProposer(Proposer):
         if not have:
             return have, None, marks, []
         start = marks.mark()
-        x = torch.stack([self._row(seqs[i]) for i in have]).to(next(self.heads.parameters())
-                                                               .dtype)
+        x = torch.stack([self._row(seqs[i]) for i in have]).to(self.heads.norm.weight.dtype)
         ids = self.heads.vocab[self.heads(x).topk(ranks, dim=-1).indices]  # [S, K, ranks]
         forwards = [(len(have), len(have), start, marks.mark())]
         return have, device_io.lists(ids)[0], marks, forwards
