@@ -11,7 +11,7 @@ from conftest import (build_tiny_model, build_tokenizer, distribution_pair, make
                       random_prompts, same_distribution_pvalue, third_tokens)
 from engine import SamplingParams
 from engine.spec_decode import medusa
-from engine.spec_decode.eagle import CONFIG_FILE, WEIGHTS_FILE, HeadFileError
+from engine.spec_decode.eagle import CONFIG_FILE, WEIGHTS_FILE, HeadFileError, save_head
 from test_eagle import (LAYERS, grammar_exactness, held_out_prompts, mixed_batch_exactness,
                         preemption_and_prefix_exactness, single_turns, tiny_target,
                         untrained_head)
@@ -22,7 +22,7 @@ def untrained_heads(target, path, num_heads=3, vocab=None):
     heads = medusa.MedusaHeads(medusa.medusa_config(target, "tiny", vocab or list(range(320)),
                                                     num_heads))
     medusa.initialize_from_target(heads, target)
-    medusa.save_heads(heads, str(path))
+    save_head(heads, str(path))
     return str(path)
 
 

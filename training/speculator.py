@@ -492,9 +492,7 @@ def train(opts: TrainOptions, model=None, tokenizer=None) -> dict:
         head.config.accuracy = medusa_training.rank_accuracy(head, evaluation, labels)
         head.config.tree = medusa.choose_tree(head.config.accuracy)
         report["rank_accuracy"] = head.config.accuracy
-        medusa.save_heads(head, str(out))
-    else:
-        save_head(head, str(out))
+    save_head(head, str(out))
     (out / "report.json").write_text(json.dumps(report, indent=2))
     return report
 

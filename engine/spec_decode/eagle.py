@@ -186,7 +186,8 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 # -- files --------------------------------------------------------------------------------------
-def save_head(head: EagleHead, path: str) -> None:
+def save_head(head: nn.Module, path: str) -> None:
+    """Save a head (an EagleHead, or MedusaHeads) and its config into folder `path`."""
     from safetensors.torch import save_file
 
     os.makedirs(path, exist_ok=True)
@@ -262,7 +263,12 @@ def load_head(path: str, model: nn.Module, dtype: torch.dtype, device: torch.dev
     if data.get("format") != FORMAT:
         raise HeadFileError(f"invalid {option}: {where} is not an EAGLE head's config (format "
                             f"{data.get('format')!r}, expected {FORMAT!r})")
-    config = config_from(data, where, option)
+    return head_from(config_from(data, where, option), path, model, dtype, device, option)
+
+
+def head_from(config: HeadConfig, path: str, model: nn.Module, dtype: torch.dtype,
+              device: torch.device, option: str) -> EagleHead:
+    """The head of the folder `path` whose config was read, checked against `model`."""
     check_target(config, model, option)
     head = EagleHead(config)
     load_weights(head, path, option)
@@ -297,16 +303,7 @@ def initialize_from_target(head: EagleHead, model: nn.Module) -> None:
     and the output projection (over the draft vocabulary) the target's. It does not draft well
     untrained (it reads the token the target already saw, not the next one), but training
     starts from the target's own output space instead of from noise."""
-    from engine.kernels.quant_linear import Int4Linear
-
-    def weight(linear) -> torch.Tensor:
-        if isinstance(linear, Int4Linear):
-            return linear.dequantized()
-        w = getattr(linear, "weight", None)
-        if w is None or w.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            return linear(torch.eye(linear.in_features, dtype=torch.float32)).t()
-        return w.detach().float()
-
+    weight = _dense_weight
     c, h = head.config, head.config.hidden_size
     layer = model.model.layers[-1]
     attn, mlp = layer.self_attn, layer.mlp
@@ -327,9 +324,30 @@ def initialize_from_target(head: EagleHead, model: nn.Module) -> None:
         head.feature_norm.weight.copy_(layer.input_layernorm.weight.float())
         head.mlp_norm.weight.copy_(layer.post_attention_layernorm.weight.float())
         head.norm.weight.copy_(model.model.norm.weight.float())
-        rows = head.vocab.to(next(model.parameters()).device)
-        out = model.get_output_embeddings()
+        copy_output_rows(head.lm_head, model, head.vocab)
+
+
+def copy_output_rows(linear: nn.Linear, model: nn.Module, vocab: torch.Tensor) -> None:
+    """`linear`'s weight := the target's output projection rows of `vocab` (its draft
+    vocabulary), dequantized where the target is int4."""
+    from engine.kernels.quant_linear import Int4Linear
+
+    out = model.get_output_embeddings()
+    with torch.no_grad():
         if isinstance(out, Int4Linear):
-            head.lm_head.weight.copy_(out.select_rows(rows).dequantized())
+            rows = vocab.to(next(model.parameters()).device)
+            linear.weight.copy_(out.select_rows(rows).dequantized())
         else:
-            head.lm_head.weight.copy_(weight(out)[rows.cpu()])
+            linear.weight.copy_(_dense_weight(out)[vocab.cpu()])
+
+
+def _dense_weight(linear: nn.Module) -> torch.Tensor:
+    """A linear's weight as float32 [out, in], whatever form it is served in."""
+    from engine.kernels.quant_linear import Int4Linear
+
+    if isinstance(linear, Int4Linear):
+        return linear.dequantized()
+    w = getattr(linear, "weight", None)
+    if w is None or w.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return linear(torch.eye(linear.in_features, dtype=torch.float32)).t()
+    return w.detach().float()

@@ -36,17 +36,18 @@ def kind_of(config: HeadConfig | MedusaConfig) -> str:
     return "eagle" if isinstance(config, HeadConfig) else "medusa"
 
 
-def load(path: str, kind: str, model: nn.Module, dtype, device, option: str = OPTION
-         ) -> EagleHead | MedusaHeads:
-    """The speculator in folder `path`, which must be of `kind`, checked against `model`."""
-    config = read_speculator(path, option)
+def load(path: str, kind: str, model: nn.Module, dtype, device, option: str = OPTION,
+         config: HeadConfig | MedusaConfig | None = None) -> EagleHead | MedusaHeads:
+    """The speculator in folder `path` (its config when already read), which must be of
+    `kind`, checked against `model`."""
+    config = config or read_speculator(path, option)
     if kind_of(config) != kind:
         raise HeadFileError(f"invalid {option}: {path} holds {kind_of(config)} heads; method "
                             f"{kind} needs {kind} heads (train them with `specserve "
                             f"speculator train --kind {kind}`)")
     if kind == "medusa":
         return medusa.load_heads(config, path, model, dtype, device, option)
-    return eagle.load_head(path, model, dtype, device, option)
+    return eagle.head_from(config, path, model, dtype, device, option)
 
 
 def load_speculator(config: EngineConfig, target: nn.Module) -> EagleHead | MedusaHeads | None:
@@ -58,9 +59,10 @@ def load_speculator(config: EngineConfig, target: nn.Module) -> EagleHead | Medu
     if not spec.uses_head:
         return None
     weight = target.get_input_embeddings().weight
-    kind = (kind_of(read_speculator(spec.speculator)) if spec.method == "hybrid"
-            else spec.method)
-    head = load(spec.speculator, kind, target, weight.dtype, weight.device)
+    head_config = read_speculator(spec.speculator)
+    kind = kind_of(head_config) if spec.method == "hybrid" else spec.method
+    head = load(spec.speculator, kind, target, weight.dtype, weight.device,
+                config=head_config)
     mode = spec.speculator_quantization
     if mode == "auto":
         mode = "int4" if weight.device.type == "cpu" else "none"

@@ -21,24 +21,21 @@ prunes it to `tree_max_nodes` (its first nodes are a tree too).
 
 The file: a folder with `config.json` (MedusaConfig, format FORMAT) and `model.safetensors`,
 checked at start-up like an EAGLE head (eagle.py: another target, a corrupt file, the wrong
-kind: an error naming `speculative.speculator`).
+kind: an error naming `speculative.speculator`), saved by eagle.save_head.
 """
 
 from __future__ import annotations
 
 import heapq
-import json
 import math
-import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.spec_decode.eagle import (CONFIG_FILE, WEIGHTS_FILE, HeadFileError,
-                                      check_same_target, fingerprint, load_weights,
-                                      target_shape)
+from engine.spec_decode.eagle import (HeadFileError, check_same_target, copy_output_rows,
+                                      fingerprint, load_weights, target_shape)
 
 FORMAT = "specserve-medusa-heads-1"
 MAX_TREE_NODES = 64  # the tree stored with the heads (tree_max_nodes is at most 64)
@@ -93,19 +90,12 @@ class MedusaHeads(nn.Module):
 def initialize_from_target(heads: MedusaHeads, model: nn.Module) -> None:
     """The blocks zero (every head starts as the target's own next-token guess), the norm and
     the output projection the target's."""
-    from engine.kernels.quant_linear import Int4Linear
-
-    out = model.get_output_embeddings()
     with torch.no_grad():
         for block in heads.blocks:
             block.weight.zero_()
             block.bias.zero_()
         heads.norm.weight.copy_(model.model.norm.weight.float())
-        rows = heads.vocab.to(next(model.parameters()).device)
-        if isinstance(out, Int4Linear):
-            heads.lm_head.weight.copy_(out.select_rows(rows).dequantized())
-        else:
-            heads.lm_head.weight.copy_(out.weight.detach().float()[rows])
+    copy_output_rows(heads.lm_head, model, heads.vocab)
 
 
 # -- the sparse tree ----------------------------------------------------------------------------
@@ -138,18 +128,6 @@ def path_chance(accuracy: list[list[float]], path: list[int]) -> float:
 
 
 # -- files --------------------------------------------------------------------------------------
-def save_heads(heads: MedusaHeads, path: str) -> None:
-    from safetensors.torch import save_file
-
-    os.makedirs(path, exist_ok=True)
-    tensors = {k: v.detach().float().contiguous().cpu() for k, v in heads.state_dict().items()}
-    save_file(tensors, os.path.join(path, WEIGHTS_FILE + ".tmp"))
-    os.replace(os.path.join(path, WEIGHTS_FILE + ".tmp"), os.path.join(path, WEIGHTS_FILE))
-    with open(os.path.join(path, CONFIG_FILE + ".tmp"), "w") as f:
-        json.dump(asdict(heads.config), f)
-    os.replace(os.path.join(path, CONFIG_FILE + ".tmp"), os.path.join(path, CONFIG_FILE))
-
-
 def config_from(data: dict, where: str, option: str) -> MedusaConfig:
     try:
         config = MedusaConfig(**data)
