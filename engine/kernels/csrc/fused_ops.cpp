@@ -202,10 +202,14 @@ void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t head
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rms_norm", &rms_norm, "RMSNorm per row (AVX-512)");
-  m.def("add_rms_norm", &add_rms_norm, "residual add then RMSNorm per row (AVX-512)");
-  m.def("silu_mul", &silu_mul, "SiLU(gate) x up per row (AVX-512)");
-  m.def("rotary_", &rotary_, "rotary embedding in place per row (AVX-512)");
+  m.def("rms_norm", &rms_norm, "RMSNorm per row (AVX-512)",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("add_rms_norm", &add_rms_norm, "residual add then RMSNorm per row (AVX-512)",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("silu_mul", &silu_mul, "SiLU(gate) x up per row (AVX-512)",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("rotary_", &rotary_, "rotary embedding in place per row (AVX-512)",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
   // the functions' addresses, for decode_layers.cpp's loop (the same code, hence the same bits)
   m.attr("rms_norm_address") = reinterpret_cast<uintptr_t>(&rms_norm);
   m.attr("add_rms_norm_address") = reinterpret_cast<uintptr_t>(&add_rms_norm);

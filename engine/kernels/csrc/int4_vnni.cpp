@@ -167,7 +167,8 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("int4_linear", &int4_linear, "int4 weights x int8 activations (AVX-512 VNNI)");
+  m.def("int4_linear", &int4_linear, "int4 weights x int8 activations (AVX-512 VNNI)",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
   // the function's address, for decode_layers.cpp's loop (the same code, hence the same bits)
   m.attr("int4_linear_address") = reinterpret_cast<uintptr_t>(&int4_linear);
 }

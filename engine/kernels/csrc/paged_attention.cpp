@@ -159,7 +159,8 @@ void paged_attention_rows(torch::Tensor out, torch::Tensor q, torch::Tensor k_ca
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention_rows", &paged_attention_rows, "paged attention of query rows (AVX-512)");
+  m.def("paged_attention_rows", &paged_attention_rows, "paged attention of query rows (AVX-512)",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
   // the function's address, for decode_layers.cpp's loop (the same code, hence the same bits)
   m.attr("paged_attention_rows_address") = reinterpret_cast<uintptr_t>(&paged_attention_rows);
 }
