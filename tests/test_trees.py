@@ -369,3 +369,40 @@ def test_a_dynamic_tree_expands_the_most_probable_nodes_and_keeps_the_best():
     proposal = grow(model, DraftSampler(vocab, torch.device("cpu"), 0, True), [seq], [3],
                     [8], width=2, min_prob=0.1, min_level=0.85)
     assert len(model.rows) == 1 and proposal.token_ids == [[0, 3, 1, 3, 5]]
+
+
+def test_a_heads_features_after_a_tree_are_its_accepted_paths_rows():
+    """After a token tree's verification, a head gets the target's features of the committed
+    tokens and then of the accepted path's nodes in depth order (not the first nodes)."""
+    from types import SimpleNamespace
+
+    from engine.batch import Drafts, StepLogits
+    from engine.config import SpeculativeConfig
+    from engine.spec_decode.proposer import Proposal, Proposer
+    from engine.spec_decode.speculator import Speculator
+
+    kept = []
+
+    class Head(Proposer):
+        method = "eagle"
+
+        def propose(self, seqs, ks):
+            return Proposal([[] for _ in seqs], [None] * len(seqs))
+
+        def keep_features(self, entries, hidden):
+            kept.append((entries, hidden.clone()))
+
+    spec = Speculator(SpeculativeConfig(method="eagle", speculator="x", tree_max_nodes=8),
+                      Head(), 64, 64, torch.device("cpu"))
+    seq = Sequence("r", [1, 2, 3], SamplingParams(temperature=0))
+    seq.num_computed_tokens = 2
+    parents = [-1, -1, 0, 1]  # root -> 0 -> 2, root -> 1 -> 3
+    drafts = Drafts([4], torch.tensor([7, 8, 9, 10]), [7, 8, 9, 10], parents=parents)
+    out = SimpleNamespace(scheduled=[SimpleNamespace(seq=seq, start=2, token_ids=[3],
+                                                     num_drafts=4)])
+    hidden = torch.arange(5, dtype=torch.float32)[:, None]  # row r: the committed token, nodes
+    step = StepLogits(torch.zeros(5, 4), [0, 5], hidden)
+    spec.verified(out, step, [[8, 10, 11]], drafts, [[1, 3]])
+    (entries, features), = kept
+    assert entries == [(seq, 2, 3)]
+    assert features[:, 0].tolist() == [0.0, 2.0, 4.0]  # the root's row, then nodes 1 and 3

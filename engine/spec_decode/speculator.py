@@ -164,7 +164,7 @@ class Speculator(NoSpeculation):
                  ) -> None:
         """drafts, paths: the step's drafts and, where they were token trees, each one's
         accepted path (`Verified.paths`)."""
-        super().verified(out, step, emitted)
+        super().verified(out, step, emitted, drafts, paths)
         for i, (s, tokens) in enumerate(zip(out.scheduled, emitted)):
             if tokens and s.num_drafts:
                 tree = drafts.parents_of(i) if paths is not None else None
