@@ -109,12 +109,17 @@ class Drafts:
       and attends to the committed tokens and its own ancestors only; its K/V is written at
       the slot of that position plus its index, and the accepted path's K/V move to their
       positions after verification (`ModelRunner.compact`).
+    - `num_lookahead[i]`: sequence i's last drafts that are lookahead rows (lookahead
+      decoding's window, engine/spec_decode/lookahead.py): nodes of its tree that the target
+      computes like any draft but the verifier never accepts (their logits feed the proposer).
     """
 
     def __init__(self, num_draft_tokens: list[int], token_ids: torch.Tensor,
                  host: list[int] | None = None, draft_probs: torch.Tensor | None = None,
-                 has_q: list[bool] | None = None, parents: list[int] | None = None) -> None:
+                 has_q: list[bool] | None = None, parents: list[int] | None = None,
+                 num_lookahead: list[int] | None = None) -> None:
         self.num_draft_tokens = list(num_draft_tokens)
+        self.num_lookahead = num_lookahead or [0] * len(self.num_draft_tokens)
         self.offsets = [0, *itertools.accumulate(self.num_draft_tokens)]
         self.token_ids = token_ids
         self.host = host if host is not None else [UNKNOWN] * self.num_tokens
@@ -135,10 +140,12 @@ class Drafts:
 
     @classmethod
     def gather(cls, per_seq: list[tuple[list[int] | torch.Tensor, torch.Tensor | None]],
-               device: torch.device, trees: list[list[int] | None] | None = None) -> "Drafts":
+               device: torch.device, trees: list[list[int] | None] | None = None,
+               num_lookahead: list[int] | None = None) -> "Drafts":
         """Drafts from each sequence's (ids, q): ids on the host (a list) or on the device
         ([k] long); q [k, V] where it is read, else None. trees: per sequence its drafts'
-        parents, None for a chain (all None: chains)."""
+        parents, None for a chain (all None: chains); num_lookahead: per sequence its last
+        drafts that are lookahead rows (None: none)."""
         num = [len(ids) for ids, _ in per_seq]
         host = [t for ids, _ in per_seq
                 for t in (ids if isinstance(ids, list) else [UNKNOWN] * len(ids))]
@@ -148,7 +155,7 @@ class Drafts:
                        for p in (tree if tree is not None else range(-1, k - 1))]
         drafts = cls(num, to_device(host, torch.long, device), host,
                      has_q=[q is not None and k > 0 for (_, q), k in zip(per_seq, num)],
-                     parents=parents)
+                     parents=parents, num_lookahead=num_lookahead)
         held = [(i, ids) for i, (ids, _) in enumerate(per_seq)
                 if isinstance(ids, torch.Tensor) and len(ids)]
         if held:  # the ids only the device holds, into their places
@@ -177,6 +184,10 @@ class Drafts:
         """Sequence i's tree's paths (`tree_paths`), or None for a chain."""
         tree = self._trees[i]
         return None if tree is None else tree[1]
+
+    def num_verified(self, i: int) -> int:
+        """Sequence i's drafts that are verified (its lookahead rows are not)."""
+        return self.num_draft_tokens[i] - self.num_lookahead[i]
 
     def host_of(self, i: int) -> list[int] | None:
         """Sequence i's drafts on the host, or None where only the device holds them."""

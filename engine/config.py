@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-SPEC_METHODS = ("none", "draft_model", "eagle", "medusa", "ngram", "suffix", "hybrid")
+SPEC_METHODS = ("none", "draft_model", "eagle", "medusa", "ngram", "suffix", "lookahead",
+                "hybrid")
+MAX_LOOKAHEAD_ROWS = 64  # (window + max_candidates) x (ngram - 1): a token tree's limit
 QUANTIZATION_MODES = ("none", "int8", "int4", "auto")
 INT4_KERNELS = ("auto", "vnni", "torch")  # engine/kernels/quant_linear.py
 
@@ -28,12 +30,37 @@ class RecordConfig:
 
 
 @dataclass
+class LookaheadConfig:
+    """`speculative.lookahead`: lookahead decoding (engine/spec_decode/lookahead.py). Each step
+    runs `window` future positions x (`ngram` - 1) past Jacobi iterations as lookahead rows
+    (where the guard measures that they pay) beside up to `max_candidates` n-grams of `ngram`
+    tokens from the pool, verified; (window + max_candidates) x (ngram - 1) <= 64."""
+
+    window: int = 5
+    ngram: int = 4
+    max_candidates: int = 5
+
+    def __post_init__(self) -> None:
+        for name, low, high in (("window", 0, 32), ("ngram", 2, 16), ("max_candidates", 1, 32)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+                raise ValueError(f"invalid speculative config lookahead.{name}: {value!r}, "
+                                 f"must be in {low}..{high}")
+        rows = (self.window + self.max_candidates) * (self.ngram - 1)
+        if rows > MAX_LOOKAHEAD_ROWS:
+            raise ValueError(f"invalid speculative config lookahead.window: (window "
+                             f"{self.window} + max_candidates {self.max_candidates}) x (ngram "
+                             f"{self.ngram} - 1) = {rows} rows per step, more than a token "
+                             f"tree's {MAX_LOOKAHEAD_ROWS}")
+
+
+@dataclass
 class SpeculativeConfig:
     # hybrid: per sequence per step, a suffix match or the model source (the draft model, or
     # the draft head `speculator` when set), whichever the cost model predicts pays most |
     # suffix | draft_model | eagle (a draft head trained from the target: `speculator`) |
     # medusa (Medusa heads trained from the target: `speculator`) | ngram (prompt lookup) |
-    # none
+    # lookahead (no draft: Jacobi lookahead rows and an n-gram pool, `lookahead`) | none
     method: str = "none"
     draft_model: str | None = None  # recipe name, folder or hub id (draft_model, hybrid)
     # eagle, medusa (and hybrid): the folder of a head (or Medusa heads) trained for the
@@ -79,8 +106,13 @@ class SpeculativeConfig:
     verification: str = "coupled"
     # {dir, max_gb}: keep finished requests' token ids to train a head on (off when None)
     record: RecordConfig | None = None
+    # {window, ngram, max_candidates}: lookahead decoding's (method lookahead: the defaults
+    # when unset); with method hybrid, set it to add the n-gram pool (and its lookahead rows)
+    # as a draftless source beside suffix matches
+    lookahead: LookaheadConfig | None = None
 
     def __post_init__(self) -> None:
+        self._check_lookahead()
         if isinstance(self.record, dict):
             self.record = RecordConfig(**_known_options(RecordConfig, self.record,
                                                         "speculative.record"))
@@ -139,11 +171,25 @@ class SpeculativeConfig:
             raise ValueError("invalid speculative config suffix_min_token_prob: must be in "
                              "[0, 1]")
 
+    def _check_lookahead(self) -> None:
+        if isinstance(self.lookahead, dict):
+            self.lookahead = LookaheadConfig(**_known_options(LookaheadConfig, self.lookahead,
+                                                              "speculative.lookahead"))
+        elif self.lookahead is not None and not isinstance(self.lookahead, LookaheadConfig):
+            raise ValueError(f"invalid speculative config lookahead: {self.lookahead!r}; use "
+                             f"{{window: 5, ngram: 4, max_candidates: 5}}")
+        if self.method == "lookahead" and self.lookahead is None:
+            self.lookahead = LookaheadConfig()
+        if self.lookahead is not None and self.method not in ("lookahead", "hybrid"):
+            raise ValueError(f"invalid speculative config lookahead: method {self.method} does "
+                             f"not use it (lookahead or hybrid do)")
+
     @property
     def enabled(self) -> bool:
         """k_max bounds the draft model's and prompt lookup's drafts; suffix proposals have
         their own bound."""
-        return self.method == "suffix" or (self.method != "none" and self.k_max > 0)
+        return self.method in ("suffix", "lookahead") or (self.method != "none"
+                                                          and self.k_max > 0)
 
     @property
     def uses_draft_model(self) -> bool:

@@ -143,6 +143,30 @@ def test_seeded_output_is_the_same_with_speculation_on_or_off(ngram_client):
     assert run(n=2)[0] == pair == run(speculative=False, n=2)[0]
 
 
+def test_lookahead_from_the_config_file_answers_as_plain_decoding(model_dir, tmp_path):
+    """speculative.method lookahead with a lookahead section, through the official client:
+    the answer without speculation, the pool's drafts counted under their method."""
+    cfg = tmp_path / "lookahead.yaml"
+    cfg.write_text(f"engine:\n  model: {model_dir}\n  device: cpu\n  num_threads: 1\n"
+                   f"  speculative:\n    method: lookahead\n    adaptive: false\n"
+                   f"    lookahead: {{window: 3, ngram: 3, max_candidates: 4}}\n")
+    srv = ServerProcess(["--config", str(cfg), "--served-model-name", MODEL]).wait_ready()
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        messages = [{"role": "user", "content": "abc abc abc abc abc abc abc abc"}]
+
+        def run(speculative):
+            return client.chat.completions.create(
+                model=MODEL, messages=messages, temperature=0, max_tokens=48,
+                extra_body={"ignore_eos": True, "speculative": speculative})
+
+        spec, plain = run(True), run(False)
+        assert spec.choices[0].message.content == plain.choices[0].message.content
+        assert spec.usage.model_extra["speculative"]["methods"]["lookahead"]["drafted_tokens"] > 0
+    finally:
+        assert srv.terminate() == 0, srv.log()
+
+
 def test_stop_strings_spanning_tokens_are_cut_and_never_leak(client):
     free = client.chat.completions.create(model=MODEL, messages=HELLO, temperature=0,
                                           max_tokens=40, extra_body={"ignore_eos": True})

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from engine import device_io
-from engine.batch import Drafts
+from engine.batch import Drafts, is_chain
 from engine.sample import rejection_sampler, sampler
 from engine.sample.rejection_sampler import TreeOwners
 from engine.sample.row_spec import by_pick, row_spec
@@ -50,12 +50,19 @@ class Verified(NamedTuple):
 
 
 class _Owner(NamedTuple):
-    """A sequence that owns logits rows: `k` drafts to verify, rows first_row .. + k."""
+    """A sequence that owns logits rows: `k` drafts, rows first_row .. + k, of which the first
+    `kv` are verified (the rest: lookahead rows, `Drafts.num_lookahead`)."""
 
     index: int  # in the step's sequences
     seq: Sequence
     first_row: int
     k: int
+    kv: int
+
+    def tree(self, drafts: Drafts) -> list[int] | None:
+        """Its verified drafts' token tree, None for a chain (or none)."""
+        parents = drafts.parents_of(self.index) if self.kv else None
+        return None if parents is None or is_chain(parents[:self.kv]) else parents[:self.kv]
 
 
 class Verifier:
@@ -97,8 +104,10 @@ class Verifier:
     def verify(self, seqs: list[Sequence], logits: torch.Tensor, row_offsets: list[int],
                drafts: Drafts | None, masks: GrammarMasks | None = None) -> Verified:
         """logits: [R, V] raw; sequence i owns rows row_offsets[i] : row_offsets[i + 1]."""
-        owners = [_Owner(i, seq, lo, hi - lo - 1) for i, (seq, lo, hi)
-                  in enumerate(zip(seqs, row_offsets, row_offsets[1:])) if hi > lo]
+        owners = [_Owner(i, seq, lo, hi - lo - 1,
+                         hi - lo - 1 - (drafts.num_lookahead[i] if drafts is not None else 0))
+                  for i, (seq, lo, hi) in enumerate(zip(seqs, row_offsets, row_offsets[1:]))
+                  if hi > lo]
         tokens: list[list[int]] = [[] for _ in seqs]
         logprobs: list[list | None] = [None for _ in seqs]
         if not owners:  # nothing to read: the host clock knows the end, CUDA's does not
@@ -119,11 +128,11 @@ class Verifier:
         host = device_io.lists(emitted, nodes, *(lp or (None, None, None)))
         emitted_lists = rejection_sampler.to_lists(host[0])
         paths: list[list[int] | None] | None = None if nodes is None else [None for _ in seqs]
-        if paths is not None:
-            for o, node in zip(owners, host[1]):
+        if paths is not None:  # (a verified chain's accepted nodes are its first ones)
+            for o, node, toks in zip(owners, host[1], emitted_lists):
                 tree = drafts.paths_of(o.index) if o.k else None
                 if tree is not None:
-                    paths[o.index] = tree[node] if node >= 0 else []
+                    paths[o.index] = tree[node] if node >= 0 else list(range(len(toks) - 1))
         for o, toks, lps in zip(owners, emitted_lists,
                                 self._logprobs(owners, emitted_lists, host[2:], paths)):
             tokens[o.index], logprobs[o.index] = toks, lps
@@ -141,51 +150,63 @@ class Verifier:
         processed = sampler.process_logits(logits, tensors)
         if not any(o.k for o in owners):  # no speculation this step: one vectorized draw
             return sampler.sample(processed, tensors, self.generator)[:, None], None
+
         picked = np.array([by_pick(o.seq.params, self.coupled) for o in owners])
         per_row = np.repeat(np.arange(len(owners)), [o.k + 1 for o in owners])  # its owner
         # the target's own pick at every row verified by pick: a keyed race for coupled
         # sampled rows, the argmax for the rest (never read for rows verified by rejection)
         greedy = np.array([o.seq.params.greedy for o in owners])
         picks = sampler.sample(processed, tensors, race=(picked & ~greedy)[per_row].tolist())
-        tree = np.array([drafts.parents_of(o.index) is not None for o in owners])
-        if not tree.any():
+        verified = [o.tree(drafts) for o in owners]
+        tree = np.array([t is not None for t in verified])
+        if not tree.any() and not any(drafts.num_lookahead):
             return self._chains(owners, rows, processed, picks, drafts, picked), None
         chain, trees = np.nonzero(~tree)[0], np.nonzero(tree)[0]
         starts = np.cumsum([0] + [o.k + 1 for o in owners])  # each owner's first spec row
         keyed = [owners[i].seq.params.seed is not None and not picked[i] for i in trees]
-        tree_out, nodes = rejection_sampler.tree_verify(
-            drafts.token_ids, picks,
-            None if picked[trees].all() else torch.softmax(processed, dim=-1),
-            TreeOwners([owners[i].first_row for i in trees],
-                       [drafts.offsets[owners[i].index] for i in trees],
-                       [drafts.parents_of(owners[i].index) for i in trees],
-                       picked[trees].tolist(),
-                       [[r.noise_key for r in rows[starts[i]:starts[i + 1]]] if kd else None
-                        for i, kd in zip(trees, keyed)]),
-            self.generator)
-        parts = [(trees, tree_out)]
-        if len(chain):  # the chains' own rows, rows and drafts as one smaller step
-            sub = [owners[i] for i in chain]
-            row_idx = np.concatenate([o.first_row + np.arange(o.k + 1) for o in sub])
-            draft_idx = np.concatenate([drafts.offsets[o.index] + np.arange(o.k) for o in sub])
-            index = device_io.to_device(np.concatenate([row_idx, draft_idx]), torch.long,
-                                        self.device)
-            row_t, draft_t = index[:len(row_idx)], index[len(row_idx):]
-            part = Drafts([o.k for o in sub], drafts.token_ids[draft_t],
-                          draft_probs=None if drafts.draft_probs is None
-                          else drafts.draft_probs[draft_t],
-                          has_q=[drafts.has_q[o.index] for o in sub])
-            parts.append((chain, self._chains(
-                [o._replace(index=i) for i, o in enumerate(sub)],
-                [rows[r] for r in row_idx], processed[row_t], picks[row_t], part,
-                picked[chain])))
+        parts = []
+        if len(trees):
+            tree_out, nodes = rejection_sampler.tree_verify(
+                drafts.token_ids, picks,
+                None if picked[trees].all() else torch.softmax(processed, dim=-1),
+                TreeOwners([owners[i].first_row for i in trees],
+                           [drafts.offsets[owners[i].index] for i in trees],
+                           [verified[i] for i in trees], picked[trees].tolist(),
+                           [[r.noise_key for r in rows[starts[i]:starts[i] + owners[i].kv + 1]]
+                            if kd else None for i, kd in zip(trees, keyed)]),
+                self.generator)
+            parts.append((trees, tree_out))
+        if len(chain):
+            parts.append((chain, self._chain_part([owners[i] for i in chain], rows, processed,
+                                                  picks, drafts, picked[chain])))
         out = torch.full((len(owners), max(t.shape[1] for _, t in parts)),
                          rejection_sampler.PLACEHOLDER, dtype=torch.long, device=self.device)
         for which, t in parts:
             out[device_io.to_device(which, torch.long, self.device), :t.shape[1]] = t
         node = torch.full((len(owners),), -1, dtype=torch.long, device=self.device)
-        node[device_io.to_device(trees, torch.long, self.device)] = nodes
+        if len(trees):
+            node[device_io.to_device(trees, torch.long, self.device)] = nodes
         return out, node
+
+    def _chain_part(self, owners: list[_Owner], rows: list[sampler.RowSpec],
+                    processed: torch.Tensor, picks: torch.Tensor, drafts: Drafts,
+                    picked: np.ndarray) -> torch.Tensor:
+        """The chains of a step that also verifies trees or holds lookahead rows: their
+        verified rows and drafts gathered as one smaller step of chains."""
+        sub = [o._replace(k=o.kv) for o in owners]
+        row_idx = np.concatenate([o.first_row + np.arange(o.k + 1) for o in sub])
+        draft_idx = np.concatenate([drafts.offsets[o.index] + np.arange(o.k)
+                                    for o in sub]).astype(np.int64)
+        index = device_io.to_device(np.concatenate([row_idx, draft_idx]), torch.long,
+                                    self.device)
+        row_t, draft_t = index[:len(row_idx)], index[len(row_idx):]
+        part = Drafts([o.k for o in sub], drafts.token_ids[draft_t],
+                      draft_probs=None if drafts.draft_probs is None
+                      else drafts.draft_probs[draft_t],
+                      has_q=[drafts.has_q[o.index] for o in sub])
+        return self._chains([o._replace(index=i) for i, o in enumerate(sub)],
+                            [rows[r] for r in row_idx], processed[row_t], picks[row_t], part,
+                            picked)
 
     def _chains(self, owners: list[_Owner], rows: list[sampler.RowSpec],
                 processed: torch.Tensor, picks: torch.Tensor, drafts: Drafts,
@@ -214,11 +235,11 @@ class Verifier:
         node is on the accepted path, and dropped where it is not (`_logprobs`)."""
         rows, at_owner, at_index, top = [], [], [], 0
         for b, o in enumerate(owners):
-            if o.seq.params.logprobs is not None:
-                rows += range(o.first_row, o.first_row + o.k + 1)
-                at_owner += [b] * (o.k + 1)
-                tree = drafts.paths_of(o.index) if o.k else None
-                at_index += range(o.k + 1) if tree is None else [0, *map(len, tree)]
+            if o.seq.params.logprobs is not None:  # (its verified drafts' rows)
+                rows += range(o.first_row, o.first_row + o.kv + 1)
+                at_owner += [b] * (o.kv + 1)
+                tree = drafts.paths_of(o.index) if o.tree(drafts) is not None else None
+                at_index += range(o.kv + 1) if tree is None else [0, *map(len, tree[:o.kv])]
                 top = max(top, o.seq.params.logprobs)
         if not rows:
             return None
@@ -248,5 +269,5 @@ class Verifier:
             result.append(sampler.logprob_entries([chosen[r] for r in pick],
                                                   [vals[r] for r in pick],
                                                   [ids[r] for r in pick], [n] * m))
-            at += o.k + 1
+            at += o.kv + 1
         return result

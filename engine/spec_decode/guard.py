@@ -197,6 +197,17 @@ class Guard:
         for num_tokens, num_seqs, seconds in proposal.forward_seconds():
             self.controller.draft_cost.record(num_tokens, num_seqs, seconds)
 
+    def row_price(self, num_running: int, num_tokens: int, rows: int) -> float:
+        """The accepted tokens `rows` more rows must bring per row to pay for themselves in a
+        pass of `num_tokens` tokens over `num_running` sequences: the target's marginal seconds
+        per token at that size times plain decoding's rate there (0 before a cost is measured,
+        or where k is not adaptive)."""
+        cost = self.controller.target_cost
+        if not self.config.adaptive or cost.empty or not num_running:
+            return 0.0
+        plain = num_running / max(cost(num_running, num_running), 1e-9)
+        return cost.slope(num_tokens, rows) * plain
+
     # -- what to draft ------------------------------------------------------------------------
     def mode(self, num_running: int) -> str:
         """"speculate", "explore" or "plain" for the next step of the running batch (each

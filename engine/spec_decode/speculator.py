@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from engine.batch import ROOT, Drafts, StepLogits, is_chain, tree_paths
+from engine.batch import MAX_TREE_NODES, ROOT, Drafts, StepLogits, is_chain, tree_paths
 from engine.block_manager import BlockManager
 from engine.device_io import to_device
 from engine.config import EngineConfig, SpeculativeConfig
@@ -40,6 +40,7 @@ from engine.spec_decode.draft_model import DraftModelProposer
 from engine.spec_decode.eagle import EagleHead
 from engine.spec_decode.eagle_proposer import EagleProposer
 from engine.spec_decode.guard import Guard, StepRecord
+from engine.spec_decode.lookahead import LookaheadPool
 from engine.spec_decode.medusa import MedusaHeads
 from engine.spec_decode.medusa_proposer import MedusaProposer
 from engine.spec_decode.ngram import NgramProposer
@@ -63,6 +64,7 @@ class SpecState:
     method: tuple[str, int] | None = None  # (method, suffix match length) of the pending drafts
     acceptance: float | None = None  # the estimate its last drafts were chosen on
     prediction: PredictionMatcher | None = None  # its Predicted Outputs, where it has one
+    lookahead: int = 0  # its pending drafts' last ones that are lookahead rows (not verified)
 
 
 class NoSpeculation:
@@ -116,17 +118,23 @@ class Speculator(NoSpeculation):
 
     def __init__(self, config: SpeculativeConfig, proposer: Proposer | None,
                  max_model_len: int, max_num_batched_tokens: int, device: torch.device,
-                 suffix: SuffixCache | None = None) -> None:
-        """device: the target's (where each step's drafts go)."""
+                 suffix: SuffixCache | None = None,
+                 lookahead: LookaheadPool | None = None) -> None:
+        """device: the target's (where each step's drafts go); suffix, lookahead: draftless
+        sources (suffix matches; lookahead decoding's n-gram pool and window)."""
         self.config = config
         self.tree_nodes = config.tree_max_nodes  # proposals may be token trees
         self.device = device
         self.coupled = config.verification == "coupled"
         self.proposer = proposer  # the draft model, a head or prompt lookup; None: suffix only
         self.suffix = suffix  # suffix and hybrid
-        self.method = proposer.method if proposer is not None else "draft_model"
+        self.lookahead = lookahead  # lookahead, and hybrid with `lookahead` set
+        self.method = (proposer.method if proposer is not None
+                       else "lookahead" if suffix is None and lookahead is not None
+                       else "draft_model")
         self.max_model_len = max_model_len
-        k_stats = max(config.k_max, config.suffix_max_spec_tokens if suffix else 0)
+        k_stats = max(config.k_max, config.suffix_max_spec_tokens if suffix else 0,
+                      MAX_TREE_NODES if lookahead else 0)
         self.stats = SpecDecodeStats(k_max=k_stats)
         self.guard = Guard(config, self.stats, self.method, proposer is not None,
                            suffix is not None, max_num_batched_tokens)
@@ -146,6 +154,7 @@ class Speculator(NoSpeculation):
             return None
         per_seq = []  # (ids on the host or the device, q where rejection sampling reads it)
         trees = []  # their parents where they are token trees (the first k nodes: a tree)
+        lookahead = []  # their lookahead rows (the budget cuts those first)
         for s in out.scheduled:
             seq, k = s.seq, s.num_drafts
             state = self._states.get(seq.request_id) or SpecState()
@@ -154,10 +163,11 @@ class Speculator(NoSpeculation):
             read_q = k and state.q is not None and not by_pick(seq.params, self.coupled)
             per_seq.append((ids, state.q[:k] if read_q else None))
             trees.append(state.parents[:k] if k and state.parents is not None else None)
+            lookahead.append(max(k - len(state.drafts or []) + state.lookahead, 0))
             state.predicted = (sum(state.confidence[:k]) if k and state.confidence is not None
                                else None)
             self._clear(state)
-        return Drafts.gather(per_seq, self.device, trees)
+        return Drafts.gather(per_seq, self.device, trees, lookahead)
 
     def verified(self, out: SchedulerOutput, step: StepLogits, emitted: list[list[int]],
                  drafts: Drafts | None = None, paths: list[list[int] | None] | None = None
@@ -166,15 +176,36 @@ class Speculator(NoSpeculation):
         accepted path (`Verified.paths`)."""
         super().verified(out, step, emitted, drafts, paths)
         for i, (s, tokens) in enumerate(zip(out.scheduled, emitted)):
-            if tokens and s.num_drafts:
-                tree = drafts.parents_of(i) if paths is not None else None
+            k = drafts.num_verified(i) if s.num_drafts else 0  # (lookahead rows are not)
+            if tokens and k:
+                tree = drafts.parents_of(i)
+                tree = None if tree is None or is_chain(tree[:k]) else tree[:k]
+                path = paths[i] if paths is not None else None
                 # a rejection: the accepted path ends where the proposal went on (a chain:
                 # before its last draft; a tree: at a node with children, or the root)
-                rejected = (len(tokens) - 1 < s.num_drafts if tree is None
-                            else (paths[i][-1] if paths[i] else -1) in tree)
-                self._record(s.seq, s.num_drafts, len(tokens) - 1, rejected, tree is not None)
+                rejected = (len(tokens) - 1 < k if tree is None
+                            else (path[-1] if path else -1) in tree)
+                self._record(s.seq, k, len(tokens) - 1, rejected, tree, path)
             elif tokens and s.seq.request_id in self._states:
                 self._states[s.seq.request_id].method = None
+        if self.lookahead is not None and drafts is not None and any(drafts.num_lookahead):
+            self._window_outputs(out, step, drafts)
+
+    def _window_outputs(self, out: SchedulerOutput, step: StepLogits, drafts: Drafts) -> None:
+        """The target's argmax at each lookahead row (one read): each window's next level."""
+        rows, owners = [], []
+        for i, s in enumerate(out.scheduled):
+            n = drafts.num_lookahead[i]
+            if n:
+                first = step.row_offsets[i] + 1 + drafts.num_verified(i)
+                rows += range(first, first + n)
+                owners.append((s.seq, n))
+        index = to_device(rows, torch.long, step.logits.device)
+        picks = step.logits.index_select(0, index).argmax(dim=-1).tolist()
+        at = 0
+        for seq, n in owners:
+            self.lookahead.stepped(seq, n, picks[at:at + n])
+            at += n
 
     def keep_features(self, entries: list[tuple[Sequence, int, int]],
                       step: StepLogits) -> None:
@@ -203,6 +234,8 @@ class Speculator(NoSpeculation):
                 self.guard.finished(seq.num_output_tokens)
             if self.proposer is not None:  # (a preempted one is recomputed)
                 self.proposer.forget(seq)
+            if self.lookahead is not None:
+                self.lookahead.forget(seq)
             if finished and self.suffix is not None:
                 self.suffix.finish(seq)
         if self.suffix is not None:
@@ -229,6 +262,7 @@ class Speculator(NoSpeculation):
     def _clear(state: SpecState | None) -> None:
         if state is not None:
             state.drafts = state.device = state.q = state.parents = state.confidence = None
+            state.lookahead = 0
 
     # -- drafting -----------------------------------------------------------------------------
     def _propose(self, running: list[Sequence], num_joining: int) -> None:
@@ -252,7 +286,7 @@ class Speculator(NoSpeculation):
         if self.suffix is not None:
             for s in candidates:
                 self.suffix.sync(s)
-        if mode != "plain" and (self.suffix is not None
+        if mode != "plain" and (self.suffix is not None or self.lookahead is not None
                                 or any(s.params.prediction for s in candidates)):
             matches = [self._free(s, room) for s, room in zip(candidates, rooms)]
         choice = self.guard.choose(running, candidates, rooms, num_joining,
@@ -266,6 +300,8 @@ class Speculator(NoSpeculation):
                 self._set_drafts(s, match.token_ids[:k], None, (method, match.match_length),
                                  parents=match.parents[:k] if match.parents else None)
         chosen = [(s, k, room) for s, k, room in zip(candidates, choice.draft_ks, rooms) if k > 0]
+        if self.lookahead is not None and mode != "plain":
+            self._windows(running, [s for s, k in zip(candidates, choice.draft_ks) if not k])
         trees, chains = [], []
         for c in chosen:
             (trees if self._proposer_tree_ok(c[0]) else chains).append(c)
@@ -276,15 +312,47 @@ class Speculator(NoSpeculation):
                                 *self.guard.tree_prices(choice))
         return [s for s, _, _ in chosen]
 
+    def _windows(self, running: list[Sequence], seqs: list[Sequence]) -> None:
+        """Lookahead decoding's window rows after the free drafts (or none) of `seqs`, where
+        the guard's price of a row (at the batch's size) is below the rows' measured value;
+        never under a grammar (the rows' guesses would need its masks)."""
+        price: float | None = None
+        for seq in seqs:
+            state = self._state(seq)
+            k = len(state.drafts or [])
+            if seq.matcher is not None or state.device is not None or self.lookahead.width == 0:
+                continue
+            if price is None:
+                rows = self.lookahead.width * (self.lookahead.n - 1)
+                price = self.guard.row_price(len(running), sum(
+                    max(s.num_draft_tokens, 0) for s in running) + len(running), rows)
+            if not self.lookahead.window_pays(seq, price):
+                continue
+            ids, parents = self.lookahead.window(seq, k, min(
+                MAX_TREE_NODES, self.max_model_len - seq.num_tokens) - k)
+            if not ids:
+                continue
+            tree = state.parents if state.parents is not None else list(range(-1, k - 1))
+            state.drafts, state.parents = (state.drafts or []) + ids, tree + parents
+            state.lookahead = len(ids)
+            seq.num_draft_tokens = k + len(ids)
+            if state.confidence is not None:
+                state.confidence = state.confidence + [0.0] * len(ids)
+
     def _free(self, seq: Sequence, room: int) -> tuple[SuffixDraft, str]:
-        """The sequence's free proposal and its method: its suffix match or its prediction's
-        continuation, whichever expects more accepted tokens."""
+        """The sequence's free proposal and its method: its suffix match, the lookahead pool's
+        continuations or its prediction's, whichever expects more accepted tokens."""
         best, method = SuffixDraft(), "suffix"
         if self.suffix is not None and self.tree_nodes:  # its nodes' slots in the context
             best = self.suffix.propose_tree(seq, room, min(self.tree_nodes, self.max_model_len
                                                            - seq.num_tokens))
         elif self.suffix is not None:
             best = self.suffix.propose(seq, room)
+        if self.lookahead is not None:
+            pool = self.lookahead.propose(seq, room, min(
+                self.lookahead.g * (self.lookahead.n - 1), self.max_model_len - seq.num_tokens))
+            if sum(pool.confidence) > sum(best.confidence):
+                best, method = pool, "lookahead"
         if seq.params.prediction:
             state = self._state(seq)
             if state.prediction is None:
@@ -373,7 +441,9 @@ class Speculator(NoSpeculation):
 
     # -- verification -------------------------------------------------------------------------
     def _record(self, seq: Sequence, num_drafted: int, num_accepted: int,
-                rejected: bool, tree: bool = False) -> None:
+                rejected: bool, tree: list[int] | None = None,
+                path: list[int] | None = None) -> None:
+        """tree: the verified drafts' token tree (None: a chain); path: its accepted nodes."""
         state = self._state(seq)
         method, match_length = state.method or (self.method, 0)
         state.method = None
@@ -384,12 +454,16 @@ class Speculator(NoSpeculation):
         counts[0] += num_drafted
         counts[1] += num_accepted
         counts[2] += rejected
-        if tree:
+        if tree is not None:
             counts[3] += 1
             counts[4] += num_drafted
-        self.stats.record_verification(num_drafted, num_accepted, method, tree)
+        self.stats.record_verification(num_drafted, num_accepted, method, tree is not None)
         if method == "prediction":  # the request's own prediction, its own acceptance
             state.prediction.record(num_drafted, num_accepted)
+            return
+        if method == "lookahead":  # the pool calibrates its own confidences
+            depth = num_drafted if tree is None else max(map(len, tree_paths(tree)))
+            self.lookahead.verified(seq, depth, num_accepted, path)
             return
         if method == "suffix":  # the suffix cache calibrates its own confidences
             self.suffix.record(seq, match_length, num_drafted, num_accepted, rejected)
@@ -456,8 +530,9 @@ def build_speculator(config: EngineConfig, plan: RunnerPlan, target: ModelRunner
                              max_spec_tokens=speculative.suffix_max_spec_tokens,
                              spec_factor=speculative.suffix_spec_factor,
                              min_token_prob=speculative.suffix_min_token_prob)
+    lookahead = LookaheadPool(speculative.lookahead) if speculative.lookahead else None
     speculator = Speculator(speculative, proposer, max_model_len, config.max_num_batched_tokens,
-                            target.device, suffix)
+                            target.device, suffix, lookahead)
     if speculative.adaptive and speculative.calibrate:
         calibrate(speculator.guard.controller, block_manager, target,
                   proposer if isinstance(proposer, EagleProposer)
