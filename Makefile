@@ -5,7 +5,7 @@ STAMP := $(VENV)/.specserve-installed
 PYTEST_ARGS ?=
 
 .PHONY: install test serve bench-engine bench-spec bench-methods bench-trees bench-predicted \
-	bench-eagle bench-trees-eagle bench-medusa bench-server bench-tp bench-llamacpp wheelhouse gpu-check clean
+	bench-eagle bench-trees-eagle bench-medusa bench-lookahead bench-server bench-tp bench-llamacpp wheelhouse gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -43,6 +43,11 @@ bench-methods: install
 bench-trees: install
 	$(VENV)/bin/specserve models fetch qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct
 	$(PY) bench/spec_methods.py --trees
+
+# lookahead decoding (no draft): its n-gram pool, its window guarded and unguarded, in hybrid
+bench-lookahead: install
+	$(VENV)/bin/specserve models fetch qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct
+	$(PY) bench/spec_methods.py --lookahead
 
 # OpenAI's Predicted Outputs on whole-file code edits: plain, hybrid, hybrid + prediction
 # (bench/prompts/predicted_outputs/; about 25-30 minutes on 2 cores).

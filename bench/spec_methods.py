@@ -12,7 +12,11 @@ trees (`make bench-trees-eagle`); both report the target pass's measured cost pe
 With `--medusa DIR --speculator DIR` (`make bench-medusa`): Medusa heads against the EAGLE
 head trained on the same pipeline: plain, eagle, medusa_chain (each head's best token),
 medusa (its sparse tree of TREE_NODES nodes) and hybrid_medusa (suffix matches or the heads'
-tree), the heads' cost against the target's, a medusa RESULT line.
+tree), the heads' cost against the target's, a medusa RESULT line. With `--lookahead`
+(`make bench-lookahead`): lookahead decoding: plain, suffix, lookahead_pool (the n-gram pool
+alone: window 0), lookahead (pool and window rows where the guard prices them as paying),
+lookahead_unguarded (window rows every step, k not adaptive) and hybrid_lookahead (the draft
+model, suffix matches and the pool with its window), a lookahead RESULT line.
 Target and draft as `make serve` serves them by default (`--quantization auto`: int4 on the
 CPU from the GGUF's blocks; the draft int4 with a 32,768-token vocabulary);
 `--quantization none` runs the bf16 target. Greedy unless stated.
@@ -33,11 +37,12 @@ by an earlier case's text. Greedy identity: each method's token ids vs plain's.
 
     python bench/spec_methods.py [--quantization auto|int4|none] [--max-tokens 48]
                                  [--c1-prompts 4] [--repeats 2] [--quick]
-                                 [--speculator DIR] [--trees] [--medusa DIR]
+                                 [--speculator DIR] [--trees] [--medusa DIR] [--lookahead]
 
 Prints a table, ends with a RESULT line, writes bench/results/spec_methods.md
 (spec_methods_eagle.md with --speculator, spec_methods_trees.md with --trees,
-spec_methods_trees_eagle.md with both, spec_methods_medusa.md with --medusa).
+spec_methods_trees_eagle.md with both, spec_methods_medusa.md with --medusa,
+spec_methods_lookahead.md with --lookahead).
 """
 
 from __future__ import annotations
@@ -77,6 +82,10 @@ TREE_EAGLE_METHODS = ("plain", "eagle_chain", "eagle")
 # with --medusa: Medusa heads (chains and their sparse tree, alone and in hybrid) beside the
 # EAGLE head
 MEDUSA_METHODS = ("plain", "eagle", "medusa_chain", "medusa", "hybrid_medusa")
+# with --lookahead: lookahead decoding's n-gram pool alone, with its window where the guard
+# prices it as paying, with its window always, and inside hybrid
+LOOKAHEAD_METHODS = ("plain", "suffix", "lookahead_pool", "lookahead", "lookahead_unguarded",
+                     "hybrid_lookahead")
 TREE_NODES = 16
 
 
@@ -132,6 +141,12 @@ def make_engine(method, target, draft, tok, k_max, draft_vocab_size, speculator=
     Medusa heads for medusa and hybrid_medusa, whose trees are on unless "_chain"."""
     chains = method.endswith("_chain")
     method = method.removesuffix("_chain")
+    lookahead = None
+    adaptive = not method.endswith("_unguarded")
+    method = method.removesuffix("_unguarded")
+    if method in ("lookahead", "lookahead_pool", "hybrid_lookahead"):
+        lookahead = {"window": 0} if method == "lookahead_pool" else {}
+        method = "hybrid" if method == "hybrid_lookahead" else "lookahead"
     folder = (speculator if method in ("eagle", "hybrid_eagle")
               else medusa if method in ("medusa", "hybrid_medusa") else None)
     if method in ("medusa", "hybrid_medusa"):
@@ -141,8 +156,9 @@ def make_engine(method, target, draft, tok, k_max, draft_vocab_size, speculator=
                                      "hybrid_medusa": "hybrid"}.get(method, method),
                              draft_model=DRAFT if method in ("draft_model", "hybrid") else None,
                              speculator=folder,
-                             k_max=k_max, adaptive=True, draft_vocab_size=draft_vocab_size,
-                             tree_max_nodes=tree_nodes)
+                             k_max=k_max, adaptive=adaptive,
+                             draft_vocab_size=draft_vocab_size, tree_max_nodes=tree_nodes,
+                             lookahead=lookahead)
     uses_draft = method in ("draft_model", "hybrid")  # (a "_chain" method's too)
     return LLMEngine(EngineConfig(kv_cache_memory_gb=1.5, max_num_seqs=32,
                                   max_num_batched_tokens=512, speculative=spec),
@@ -223,6 +239,41 @@ def medusa_result(rates, accept_len, engines, worst_any) -> str:
             f"medusa_accept_len={accept_len.get(('medusa', 'medusa', 'chat', 1), 0):.2f} "
             f"eagle_accept_len={accept_len.get(('eagle', 'eagle', 'chat', 1), 0):.2f} "
             f"medusa_heads_cost={heads / target:.3f} worst_vs_plain={worst_any:.2f}")
+
+
+def lookahead_details(engines) -> str:
+    """The pool's settings, what the window's rows brought (tokens of window-only n-grams per
+    lookahead row, over the whole run) guarded and unguarded, and the guard's price of them."""
+    parts = []
+    for method in ("lookahead", "lookahead_unguarded", "hybrid_lookahead"):
+        pool = engines[method].speculator.lookahead
+        value = pool.row_value
+        parts.append(f"{method}: {pool.window_rows} window rows run, {pool.window_tokens} "
+                     f"accepted tokens from window-only n-grams "
+                     f"({pool.window_tokens / max(pool.window_rows, 1):.3f} per row; recent "
+                     f"value {'n/a' if value is None else f'{value:.3f}'})")
+    pool = engines["lookahead"].speculator.lookahead
+    rows = pool.width * (pool.n - 1)
+    price = engines["lookahead"].speculator.guard.row_price(1, 1, rows)
+    return (f"lookahead window {pool.width}, ngram {pool.n}, max_candidates {pool.g} "
+            f"({rows} window rows a step); the guard's price of a window row at c=1: "
+            f"{price:.3f} accepted tokens; " + "; ".join(parts) + "; the target pass's "
+            f"measured cost by rows: {verify_costs(engines['lookahead'])}")
+
+
+def lookahead_result(rates, worst_any) -> str:
+    def x(a, w, c=1):
+        return rates[a, w, c] / rates["plain", w, c]
+
+    return (f"RESULT lookahead_code_edit_vs_plain={x('lookahead', 'code_edit'):.2f} "
+            f"lookahead_chat_vs_plain={x('lookahead', 'chat'):.2f} "
+            f"lookahead_repeated_vs_plain={x('lookahead', 'repeated'):.2f} "
+            f"lookahead_pool_code_edit_vs_plain={x('lookahead_pool', 'code_edit'):.2f} "
+            f"lookahead_unguarded_code_edit_vs_plain="
+            f"{x('lookahead_unguarded', 'code_edit'):.2f} "
+            f"hybrid_lookahead_code_edit={x('hybrid_lookahead', 'code_edit'):.2f} "
+            f"lookahead_code_edit_c8_vs_plain={x('lookahead', 'code_edit', 8):.2f} "
+            f"worst_vs_plain={worst_any:.2f}")
 
 
 def describe_head(path) -> str:
@@ -319,6 +370,9 @@ def main() -> int:
     parser.add_argument("--trees", action="store_true",
                         help="plain, suffix, draft model, hybrid: chains only and with token trees "
                              f"(tree_max_nodes 0 and {TREE_NODES})")
+    parser.add_argument("--lookahead", action="store_true",
+                        help="lookahead decoding: its pool alone, with its window guarded and "
+                             "unguarded, in hybrid; beside plain and suffix")
     parser.add_argument("--out", default=None,
                         help="results file (default bench/results/spec_methods.md, "
                              "spec_methods_eagle.md with --speculator, spec_methods_trees.md "
@@ -328,11 +382,12 @@ def main() -> int:
         parser.error("--medusa needs --speculator (the EAGLE head it is compared with)")
     default_out = str(ROOT / "bench/results" / (
         "spec_methods_medusa.md" if args.medusa
+        else "spec_methods_lookahead.md" if args.lookahead
         else "spec_methods_trees_eagle.md" if args.speculator and args.trees
         else "spec_methods_eagle.md" if args.speculator
         else "spec_methods_trees.md" if args.trees else "spec_methods.md"))
     args.out = args.out or default_out
-    methods_run = (MEDUSA_METHODS if args.medusa
+    methods_run = (MEDUSA_METHODS if args.medusa else LOOKAHEAD_METHODS if args.lookahead
                    else TREE_EAGLE_METHODS if args.speculator and args.trees
                    else EAGLE_METHODS if args.speculator else TREE_METHODS if args.trees
                    else METHODS)
@@ -471,6 +526,9 @@ def main() -> int:
     if args.medusa:
         details.append(medusa_details(args, engines))
         result = medusa_result(rates, accept_len, engines, worst_any)
+    elif args.lookahead:
+        details.append(lookahead_details(engines))
+        result = lookahead_result(rates, worst_any)
     elif args.trees:
         details.append(f"token trees of at most {TREE_NODES} nodes; the target pass's "
                        f"measured cost by rows (one sequence, the tree engine's cost model): "
