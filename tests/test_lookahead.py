@@ -11,7 +11,8 @@ from engine import SamplingParams
 from engine.batch import ROOT, Drafts
 from engine.config import LookaheadConfig, SpeculativeConfig
 from engine.sequence import Sequence
-from engine.spec_decode.lookahead import MEASURED_STEPS, PROBE_EVERY, PROBE_STEPS, LookaheadPool
+from engine.spec_decode.lookahead import (PRIOR_ROW_VALUE, PROBE_EVERY, PROBE_STEPS,
+                                         LookaheadPool)
 from test_eagle import grammar_exactness
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -70,17 +71,33 @@ def test_window_rows_run_only_where_their_measured_value_beats_the_guards_price(
     width, n = 2, 3
     pool = LookaheadPool(LookaheadConfig(window=width, ngram=n, max_candidates=2))
     seq = Sequence("r", [7, 8, 9], SamplingParams())
-    assert pool.row_value is None and pool.window_pays(seq, price=10.0)  # not measured yet
-    for _ in range(MEASURED_STEPS + 4):  # (decayed) window steps whose n-grams got nothing
+    assert pool.row_value == PRIOR_ROW_VALUE  # nothing measured yet: the prior
+    assert pool.window_pays(seq, price=0.0)  # free rows (a GPU at batch 1) run
+    for _ in range(200):  # window steps whose n-grams never got accepted
         ids, _ = pool.window(seq, first_node=0, max_nodes=64)
         pool.stepped(seq, len(ids), [1] * len(ids))
-    assert pool.row_value == 0.0
-    assert pool.window_pays(seq, price=0.0)  # free rows (a GPU at batch 1) still run
-    runs = [pool.window_pays(seq, price=0.05) for _ in range(2 * (PROBE_EVERY + PROBE_STEPS))]
-    # priced out: PROBE_STEPS probes after every PROBE_EVERY steps without rows
+    assert pool.row_value < PRIOR_ROW_VALUE / 5
+    assert pool.window_pays(seq, price=0.0)
+    other = Sequence("s", [7, 8], SamplingParams())
+    runs = [pool.window_pays(s, price=0.05) for _ in range(PROBE_EVERY + PROBE_STEPS)
+            for s in (seq, other)]  # the server's sequence-steps, two sequences
+    # priced out: PROBE_STEPS probes after every PROBE_EVERY sequence-steps without rows
     assert sum(runs) == 2 * PROBE_STEPS and not any(runs[:PROBE_EVERY])
     assert all(runs[PROBE_EVERY:PROBE_EVERY + PROBE_STEPS])
     assert LookaheadPool(LookaheadConfig(window=0)).window_pays(seq, price=0.0) is False
+
+
+def test_the_pools_chances_are_calibrated_per_source():
+    pool = LookaheadPool(LookaheadConfig(window=2, ngram=3, max_candidates=4))
+    seq = Sequence("r", [1, 2, 3, 1], SamplingParams())
+    pool._request(seq).pool.add(1, (8, 9), "window")
+    for _ in range(50):  # the text's n-gram (1 -> 2, 3) always accepted, the window's never
+        draft = pool.propose(seq, room=4, max_nodes=8)
+        text = draft.token_ids.index(2)
+        pool.verified(seq, len(draft.token_ids), 2, [text, draft.token_ids.index(3)])
+    draft = pool.propose(seq, room=4, max_nodes=8)
+    chance = dict(zip(draft.token_ids, draft.confidence))
+    assert chance[2] > 0.4 and chance[3] > 0.4 and chance[8] < 0.1 and chance[9] < 0.1
 
 
 @pytest.mark.parametrize("adaptive", [False, True])

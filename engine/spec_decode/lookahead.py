@@ -38,13 +38,18 @@ from engine.spec_decode.suffix import SuffixDraft
 
 PRIOR_HITS = (0.35, 0.2, 0.12, 0.08, 0.05)  # a pool proposal's chance to reach depth d
 PRIOR_WEIGHT = 4.0  # verifications the prior counts as
+SOURCES = ("text", "window")  # where a pool n-gram came from
 DECAY = 0.995  # of the shared calibration, per verification
 VALUE_DECAY = 0.99  # of the measured value of window rows, per window step
-MEASURED_STEPS = 16  # window steps (decayed) before their value is measured
-PROBE_EVERY = 512  # steps of a request without window rows before it runs them again ...
-PROBE_STEPS = 8  # ... for this many steps, to measure them where they were priced out (on
-# two CPU cores an int4 step with the window's 15 rows costs ~2x a plain one: ~1.5% of the
-# request's time goes to probing)
+# before (and beside) what it measures, a window row is taken to bring PRIOR_ROW_VALUE
+# accepted tokens, weighed as PRIOR_STEPS window steps: the original paper's figures (~0.6
+# tokens a step from ~120 rows of a 7B model) and ours (0.005 on the packaged 1.5B) are below it,
+# so rows start where they are nearly free (a GPU at batch 1) and elsewhere only probe
+PRIOR_ROW_VALUE = 0.01
+PRIOR_STEPS = 8
+PROBE_EVERY = 512  # sequence-steps of the server without window rows before some run ...
+PROBE_STEPS = 8  # ... for this many, to measure them where they were priced out (on two CPU
+# cores an int4 step with the window's 15 rows costs ~2x a plain one: ~1.5% of the time)
 
 
 class NgramPool:
@@ -81,11 +86,13 @@ class _Request:
         self.indexed = 0  # tokens whose n-grams are in the pool (from the start)
         self.levels: list[list[int]] = []  # the window: level -> width guesses
         self.base = 0  # level l's token i guesses the sequence's token at base + l + i
-        self.hits = [0.0] * config.ngram  # its pool proposals: reached depth d (1-based)
-        self.trials = [0.0] * config.ngram  # ... and were verified to depth d
-        self.sources: list[str] = []  # per pending verification node: its source
+        # per source ("text", "window"): its nodes at depth d + 1 that were on the accepted
+        # path / verified proposals with such a node
+        self.hits = {s: [0.0] * config.ngram for s in SOURCES}
+        self.trials = {s: [0.0] * config.ngram for s in SOURCES}
+        self.sources: list[str] = []  # per pending verification node: its source ...
+        self.depths: list[int] = []  # ... and its depth (1: a child of the last token)
         self.window_nodes = 0  # lookahead rows pending after the verification nodes
-        self.idle = 0  # steps since its window last ran
         self.window_credit = 0  # accepted tokens of window-only n-grams in its last step
 
     def index_text(self, tokens: list[int], n: int) -> None:
@@ -105,21 +112,24 @@ class LookaheadPool:
         self.config = config
         self.width, self.n, self.g = config.window, config.ngram, config.max_candidates
         self._requests: dict[str, _Request] = {}
-        # shared calibration: pool proposals that reached / were verified to depth d
-        self.hits = [PRIOR_HITS[min(d, len(PRIOR_HITS) - 1)] * PRIOR_WEIGHT
-                     for d in range(self.n)]
-        self.trials = [PRIOR_WEIGHT] * self.n
+        # shared calibration per source (the window's guesses are right far less often than
+        # the text's n-grams, and must not drag their chances down): as _Request's, decayed
+        prior = [PRIOR_HITS[min(d, len(PRIOR_HITS) - 1)] * PRIOR_WEIGHT for d in range(self.n)]
+        self.hits = {s: list(prior) for s in SOURCES}
+        self.trials = {s: [PRIOR_WEIGHT] * self.n for s in SOURCES}
         # the window's n-grams: accepted tokens they brought, rows they took (decayed)
         self._value = [0.0, 0.0, 0.0]  # tokens, rows, window steps
+        self._idle = 0  # sequence-steps priced out since window rows last ran
         self.window_rows = 0  # lookahead rows run (counters)
         self.window_tokens = 0  # accepted tokens of n-grams only the window proposed
 
     @property
-    def row_value(self) -> float | None:
+    def row_value(self) -> float:
         """Accepted tokens the window's n-grams brought per lookahead row over recent window
-        steps (None: too few steps to say)."""
-        tokens, rows, steps = self._value
-        return tokens / rows if steps >= MEASURED_STEPS and rows else None
+        steps, after a prior of PRIOR_ROW_VALUE over PRIOR_STEPS steps."""
+        tokens, rows, _ = self._value
+        prior_rows = PRIOR_STEPS * self.width * (self.n - 1)
+        return (tokens + PRIOR_ROW_VALUE * prior_rows) / max(rows + prior_rows, 1e-9)
 
     def _request(self, seq: Sequence) -> _Request:
         req = self._requests.get(seq.request_id)
@@ -138,7 +148,7 @@ class LookaheadPool:
         req = self._request(seq)
         tokens = seq.token_ids
         req.index_text(tokens, self.n)
-        req.sources = []
+        req.sources, req.depths = [], []
         depth = min(room, self.n - 1)
         if depth <= 0 or max_nodes <= 0:
             return SuffixDraft()
@@ -164,55 +174,59 @@ class LookaheadPool:
                 parent = node
         total = len(candidates)
         chance: list[float] = []  # a node's: no more than its parent's (a tree's order)
-        for d, c, parent in zip(node_depth, counts, parents):
-            own = self._reach(req, d) * c / total
+        for d, c, parent, source in zip(node_depth, counts, parents, sources):
+            own = self._reach(req, source, d) * c / total
             chance.append(own if parent == ROOT else min(own, chance[parent]))
         kept = sorted(range(len(ids)), key=lambda j: (-chance[j], node_depth[j], j))[:max_nodes]
         where = {j: i for i, j in enumerate(kept)}  # (a parent sorts before its children)
         req.sources = [sources[j] for j in kept]
+        req.depths = [node_depth[j] for j in kept]
         return SuffixDraft([ids[j] for j in kept], [chance[j] for j in kept], 0,
                            [ROOT if parents[j] == ROOT else where[parents[j]] for j in kept])
 
-    def _reach(self, req: _Request, depth: int) -> float:
-        """The calibrated chance that a pool proposal's accepted path reaches `depth`: the
-        request's own evidence over the shared rate (as a prior of PRIOR_WEIGHT)."""
+    def _reach(self, req: _Request, source: str, depth: int) -> float:
+        """The calibrated chance that the accepted path reaches `depth` through a node of
+        `source` where the proposal has one there: the request's own evidence over the shared
+        rate (as a prior of PRIOR_WEIGHT)."""
         d = depth - 1
-        shared = self.hits[d] / max(self.trials[d], 1e-9)
-        return min((req.hits[d] + PRIOR_WEIGHT * shared) / (req.trials[d] + PRIOR_WEIGHT), 1.0)
+        shared = self.hits[source][d] / max(self.trials[source][d], 1e-9)
+        return min((req.hits[source][d] + PRIOR_WEIGHT * shared)
+                   / (req.trials[source][d] + PRIOR_WEIGHT), 1.0)
 
-    def verified(self, seq: Sequence, depth: int, accepted: int, path: list[int] | None
+    def verified(self, seq: Sequence, num_nodes: int, accepted: int, path: list[int] | None
                  ) -> None:
-        """The sequence verified the pool's proposal (a tree `depth` deep) and accepted
-        `accepted` of its nodes along `path` (None: a chain's first ones)."""
+        """The sequence verified the first `num_nodes` nodes of the pool's proposal and
+        accepted `accepted` of them along `path` (None: a chain's first ones)."""
         req = self._request(seq)
-        for d in range(min(depth, self.n - 1)):
-            reached = float(accepted > d)
-            req.hits[d] += reached
-            req.trials[d] += 1.0
-            self.hits[d] = self.hits[d] * DECAY + reached
-            self.trials[d] = self.trials[d] * DECAY + 1.0
         on_path = path if path is not None else list(range(accepted))
+        proposed = set(zip(req.sources[:num_nodes], req.depths[:num_nodes]))
+        for source, depth in proposed:  # (at most the pool's ngram - 1 levels deep)
+            d = depth - 1
+            reached = float(len(on_path) >= depth and on_path[d] < len(req.sources)
+                            and req.sources[on_path[d]] == source)
+            req.hits[source][d] += reached
+            req.trials[source][d] += 1.0
+            self.hits[source][d] = self.hits[source][d] * DECAY + reached
+            self.trials[source][d] = self.trials[source][d] * DECAY + 1.0
         if on_path and on_path[-1] < len(req.sources) and req.sources[on_path[-1]] == "window":
             self.window_tokens += accepted
             req.window_credit = accepted
-        req.sources = []
+        req.sources, req.depths = [], []
 
     # -- the lookahead branch ---------------------------------------------------------------
     def window_pays(self, seq: Sequence, price: float) -> bool:
         """Whether the sequence runs its window's rows next step: where a row's measured value
-        beats its price (accepted tokens a row must add), or to measure it (never measured; or
-        priced out for PROBE_EVERY steps of the request: PROBE_STEPS more)."""
+        beats its price (accepted tokens a row must add), or to measure it (priced out for
+        PROBE_EVERY sequence-steps of the server: PROBE_STEPS more)."""
         if self.width == 0:
             return False
-        req = self._request(seq)
-        value = self.row_value
-        if value is None or value >= price:
-            req.idle = 0
+        if self.row_value >= price:
+            self._idle = 0
             return True
-        req.idle += 1
-        probing = req.idle > PROBE_EVERY
-        if req.idle >= PROBE_EVERY + PROBE_STEPS:
-            req.idle = 0
+        self._idle += 1
+        probing = self._idle > PROBE_EVERY
+        if self._idle >= PROBE_EVERY + PROBE_STEPS:
+            self._idle = 0
         return probing
 
     def window(self, seq: Sequence, first_node: int, max_nodes: int

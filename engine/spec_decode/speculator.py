@@ -462,8 +462,7 @@ class Speculator(NoSpeculation):
             state.prediction.record(num_drafted, num_accepted)
             return
         if method == "lookahead":  # the pool calibrates its own confidences
-            depth = num_drafted if tree is None else max(map(len, tree_paths(tree)))
-            self.lookahead.verified(seq, depth, num_accepted, path)
+            self.lookahead.verified(seq, num_drafted, num_accepted, path)
             return
         if method == "suffix":  # the suffix cache calibrates its own confidences
             self.suffix.record(seq, match_length, num_drafted, num_accepted, rejected)
