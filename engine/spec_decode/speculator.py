@@ -163,7 +163,9 @@ class Speculator(NoSpeculation):
             read_q = k and state.q is not None and not by_pick(seq.params, self.coupled)
             per_seq.append((ids, state.q[:k] if read_q else None))
             trees.append(state.parents[:k] if k and state.parents is not None else None)
-            lookahead.append(max(k - len(state.drafts or []) + state.lookahead, 0))
+            # (the budget cuts the window's rows first: those past the verified drafts)
+            lookahead.append(0 if state.drafts is None
+                             else max(k - (len(state.drafts) - state.lookahead), 0))
             state.predicted = (sum(state.confidence[:k]) if k and state.confidence is not None
                                else None)
             self._clear(state)
@@ -319,8 +321,16 @@ class Speculator(NoSpeculation):
         price: float | None = None
         for seq in seqs:
             state = self._state(seq)
+            if state.lookahead:  # a window left from a step that did not schedule it
+                keep = len(state.drafts) - state.lookahead
+                state.drafts, state.lookahead = state.drafts[:keep], 0
+                state.parents = state.parents[:keep] if keep else None
+                state.confidence = (state.confidence[:keep] if state.confidence is not None
+                                    else None)
+                seq.num_draft_tokens = keep
             k = len(state.drafts or [])
-            if seq.matcher is not None or state.device is not None or self.lookahead.width == 0:
+            if (seq.matcher is not None or state.device is not None or state.q is not None
+                    or self.lookahead.width == 0):  # (windows follow one-hot drafts only)
                 continue
             if price is None:
                 rows = self.lookahead.width * (self.lookahead.n - 1)
@@ -431,6 +441,7 @@ class Speculator(NoSpeculation):
         state.parents = parents if k else None
         state.confidence = confidence if k else None
         state.method = method
+        state.lookahead = 0
 
     def _room(self, seq: Sequence) -> int:
         """Drafts that can still matter: before max_tokens and inside the context."""
