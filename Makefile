@@ -5,14 +5,14 @@ STAMP := $(VENV)/.specserve-installed
 PYTEST_ARGS ?=
 
 .PHONY: install test serve bench-engine bench-spec bench-methods bench-trees bench-predicted \
-	bench-eagle bench-trees-eagle bench-medusa bench-lookahead bench-server bench-tp bench-llamacpp wheelhouse gpu-check clean
+	bench-eagle bench-trees-eagle bench-medusa bench-lookahead bench-server bench-tp bench-llamacpp wheelhouse gpu-check image-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# the CPU build from this machine's disk; a bare `torch` would pull a multi-GB CUDA build
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,bench]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -107,6 +107,11 @@ wheelhouse: install
 # Uses that machine's python3 (torch + CUDA, transformers, triton), never this venv.
 gpu-check:
 	scripts/gpu_check.sh
+
+# Builds the image and runs docker-compose.yml (two replicas, nginx, Prometheus): requests, a
+# drained stop and a kill -9 under load (scripts/image_check.sh; ~20 min; not part of `make test`)
+image-check:
+	scripts/image_check.sh
 
 bench-server: install
 	$(VENV)/bin/specserve models fetch smollm2-135m-instruct

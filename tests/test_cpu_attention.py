@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from engine.attention.paged import InvariantLayout, SDPABackend, SeqSpan
 from engine.kernels import cpu_ext
 
-EXT = cpu_ext.load("paged_attention.cpp")
+EXT = cpu_ext.load("paged_attention")
 pytestmark = pytest.mark.skipif(isinstance(EXT, str), reason=f"no row kernel: {EXT}")
 BS = 16
 

@@ -130,8 +130,7 @@ def test_compose_services_ports_and_health(routes, default_config):
         health = " ".join(svc["healthcheck"]["test"])
         path = re.search(r"127\.0\.0\.1:(\d+)(/\w+)", health)
         assert path and int(path.group(1)) == port and path.group(2) in routes
-        gpu = svc["deploy"]["resources"]["reservations"]["devices"][0]
-        assert gpu["capabilities"] == ["gpu"] and gpu["count"] == 1
+        assert "deploy" not in svc  # runs anywhere; the GPUs come from docker-compose.gpu.yml
         assert "models:/models" in svc["volumes"]
         assert int(svc["stop_grace_period"].rstrip("s")) > drain
         assert svc["depends_on"]["fetch-models"]["condition"] == "service_completed_successfully"
@@ -145,6 +144,56 @@ def test_compose_services_ports_and_health(routes, default_config):
     targets = prom["scrape_configs"][0]["static_configs"][0]["targets"]
     assert targets == [f"specserve-1:{port}", f"specserve-2:{port}"]
     assert prom["scrape_configs"][0]["metrics_path"] in routes
+
+
+def test_compose_gpu_file_reserves_one_gpu_per_replica_and_builds_the_cuda_image():
+    """docker-compose.gpu.yml over docker-compose.yml: the Dockerfile's default (CUDA) build
+    args, its own image tag, one GPU per replica; the CPU file builds the CPU image."""
+    base = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    gpu = yaml.safe_load((ROOT / "docker-compose.gpu.yml").read_text())["services"]
+    assert set(gpu) <= set(base)
+    defaults = dict(re.findall(r"^ARG (\w+)=(\S+)$", (ROOT / "Dockerfile").read_text(), re.M))
+    for name, svc in gpu.items():
+        assert svc["build"]["args"] == {k: defaults[k] for k in ("BASE_IMAGE", "TORCH_INDEX")}
+        assert svc["image"] != base[name]["image"]  # the CPU and CUDA images keep apart
+        assert "cpu" in base[name]["build"]["args"]["TORCH_INDEX"]
+    for name in SINGLE_GPU_SERVICES:
+        assert gpu[name]["deploy"]["resources"]["reservations"]["devices"] == [
+            {"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
+
+
+def test_image_check_agrees_with_compose(routes, default_config):
+    """scripts/image_check.sh runs docker-compose.yml: the services it starts exist, the ports
+    and paths it calls are the compose file's and the server's, its health-check loop keeps the
+    compose interval, and its stand-in nginx/Prometheus images take the files compose mounts."""
+    script = (ROOT / "scripts" / "image_check.sh").read_text()
+    client = (ROOT / "scripts" / "image_check" / "client.py").read_text()
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    services = compose["services"]
+    started = re.search(r"^SERVICES=\((.*)\)$", script, re.M).group(1).split()
+    assert set(started) == set(services) - {"grafana", "specserve-tp"}
+    assert "SERVICES+=(grafana)" in script  # where its image can be pulled
+    for svc in ("specserve-1", "specserve-2", "fetch-models"):
+        assert f"ctr {svc}" in script or f"stop {svc}" in script or svc in started
+    assert re.search(r"^API=http://127\.0\.0\.1:(\d+)/v1$", script, re.M).group(1) + ":8080" \
+        in services["nginx"]["ports"]
+    assert "9090:9090" in services["prometheus"]["ports"] and "127.0.0.1:9090" in script
+    port = default_config["server"]["port"]
+    for path in re.findall(rf"http://127\.0\.0\.1:{port}(/\w+)", script):
+        assert path in routes, path
+    interval = services["specserve-1"]["healthcheck"]["interval"]
+    assert f"while sleep {interval.rstrip('s')}; do" in script
+    assert "stop_grace_period" in script and "compose.podman" not in script
+    for name in ("specserve:num_requests_running", "specserve:generation_tokens_total",
+                 "specserve:spec_decode_num_accepted_tokens_total"):
+        assert name in script + client
+        assert name.split(":")[1].removesuffix("_total") in (ROOT / "server" / "metrics.py").read_text()
+    for tool, target in (("nginx", "/etc/nginx/nginx.conf"),
+                         ("prometheus", "/etc/prometheus/prometheus.yml")):
+        assert any(v.endswith(f"{target}:ro") for v in services[tool]["volumes"])
+        containerfile = (ROOT / "scripts" / "image_check" / f"{tool}.Containerfile").read_text()
+        assert ("nginx" in containerfile) if tool == "nginx" else (target in containerfile)
+        assert f"${{{tool.upper()}_IMAGE:-" in services[tool]["image"]
 
 
 def test_k8s_manifests(routes):
@@ -190,13 +239,20 @@ def test_dockerfile(routes):
     text = (ROOT / "Dockerfile").read_text()
     assert text.count("FROM ") >= 2  # multi-stage
     assert "ARG BASE_IMAGE=nvidia/cuda" in text and "whl/cpu" in text
+    # a CA for pip only as a build secret, never stored in a layer
+    assert text.count("--mount=type=secret,id=ca") == text.count("pip install --no-cache-dir /src") + 1
+    assert "PIP_CERT" not in "".join(ln for ln in text.splitlines() if ln.startswith(("ENV", "ARG")))
     assert re.search(r"^USER specserve$", text, re.M)
     assert 'VOLUME ["/models"]' in text
     health = re.search(r"HEALTHCHECK.*\n.*http://127\.0\.0\.1:8000(/\w+)", text)
     assert health and health.group(1) in routes
     assert 'ENTRYPOINT ["specserve", "serve"]' in text
     assert "COPY configs /etc/specserve" in text
-    runtime = text[text.rindex("FROM "):]  # compiles the C++ CPU kernels at the first start
+    runtime = text[text.rindex("FROM "):]
+    # the C++ CPU kernels: compiled at build time as the user that serves (its cache), and
+    # again at start where that cache is missing
+    user = runtime.index("USER specserve")
+    assert "RUN python -m engine.kernels.cpu_ext" in runtime[user:]
     assert "g++" in runtime and "python3-dev" in runtime
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert ".venv" in ignored and ".git" in ignored
@@ -298,3 +354,16 @@ def test_deploy_args_are_serve_flags():
         parsed = serve.parse_args(args)
         if TP_FLAG in args:
             assert parsed.tensor_parallel_size == int(args[args.index(TP_FLAG) + 1]) > 1, where
+
+
+def test_every_cpu_kernel_is_compiled_by_the_image_build(monkeypatch):
+    """`python -m engine.kernels.cpu_ext` (the Dockerfile's build step) compiles KERNELS: every
+    C++ source is in it, and a CPU without a kernel's features gets the reason, not a crash."""
+    from engine.kernels import cpu_ext
+
+    sources = {spec[0] for spec in cpu_ext.KERNELS.values()}
+    assert sources == {p.name for p in cpu_ext.SOURCES.glob("*.cpp")}
+    assert all(not f.startswith("arch") for spec in cpu_ext.KERNELS.values() for f in spec[1])
+    monkeypatch.setattr(cpu_ext, "cpu_flags", lambda: set())
+    assert cpu_ext.load("int4_vnni") == "the CPU lacks " + ", ".join(
+        cpu_ext.KERNELS["int4_vnni"][1])

@@ -57,7 +57,7 @@ def _tree_vs_chains(backend, dtype, heads=4, kv_heads=2, head_dim=64):
 def test_cpu_row_kernel_gives_a_node_its_chain_bits(dtype):
     backend = SDPABackend(InvariantLayout(q_multiple=4, kv_multiple=512), row_kernel=True)
     if backend.rows_ext is None:
-        pytest.skip(f"no row kernel: {cpu_ext.load('paged_attention.cpp')}")
+        pytest.skip(f"no row kernel: {cpu_ext.load('paged_attention')}")
     _tree_vs_chains(backend, dtype)
 
 

@@ -153,7 +153,7 @@ class SDPABackend(AttentionBackend):
         if row_kernel:
             from engine.kernels import cpu_ext
 
-            ext = cpu_ext.load("paged_attention.cpp")
+            ext = cpu_ext.load("paged_attention")
             if isinstance(ext, str):
                 _log.info("attention of generated tokens runs on SDPA: the CPU row kernel is "
                           "not available (%s)", ext)

@@ -28,20 +28,41 @@ def cpu_flags() -> set[str]:
     return set(line.partition(":")[2].split())
 
 
-@functools.cache
-def load(source: str, flags: tuple[str, ...] = AVX512, cflags: tuple[str, ...] = ()):
-    """The compiled module of csrc/`source`, or why there is none (a str); `cflags`: more
-    compiler options."""
+# Every kernel: its source, the CPU features it is written for (each compiled in as -m<feature>,
+# never -march=native: the built module runs on any CPU with these features) and more options.
+KERNELS = {
+    "paged_attention": ("paged_attention.cpp", AVX512, ()),
+    # without contracting a product and a sum into one FMA: the ops round as torch's
+    "fused_ops": ("fused_ops.cpp", AVX512, ("-ffp-contract=off",)),
+    "int4_vnni": ("int4_vnni.cpp", AVX512 + ("avx512_vnni",), ()),
+    "decode_layers": ("decode_layers.cpp", (), ()),
+}
+
+
+def load(kernel: str):
+    """The compiled module of KERNELS[`kernel`], or why there is none (a str)."""
+    source, flags, cflags = KERNELS[kernel]
     missing = [f for f in flags if f not in cpu_flags()]
     if missing:
         return f"the CPU lacks {', '.join(missing)}"
-    from torch.utils.cpp_extension import load as build
+    return _build(source, flags, cflags)
 
+
+def _where(source: str, flags: tuple[str, ...], cflags: tuple[str, ...]) -> Path:
+    """The build folder: named by the source, its headers, the features and options."""
     path = SOURCES / source
     text = path.read_bytes() + b"".join(h.read_bytes() for h in sorted(SOURCES.glob("*.h")))
     digest = hashlib.sha256(text + repr((flags, cflags)).encode()).hexdigest()[:12]
-    name = f"specserve_{path.stem}_{digest}"
-    where = KERNEL_CACHE / name
+    return KERNEL_CACHE / f"specserve_{path.stem}_{digest}"
+
+
+@functools.cache
+def _build(source: str, flags: tuple[str, ...], cflags: tuple[str, ...]):
+    from torch.utils.cpp_extension import load as build
+
+    path = SOURCES / source
+    where = _where(source, flags, cflags)
+    name = where.name
     where.mkdir(parents=True, exist_ok=True)
     if not any(where.glob("*.so")):
         log.info("compiling the CPU kernel %s into %s (once per machine)", source, where)
@@ -53,3 +74,24 @@ def load(source: str, flags: tuple[str, ...] = AVX512, cflags: tuple[str, ...] =
                      build_directory=str(where), verbose=False)
     except Exception as exc:  # noqa: BLE001 - no compiler, no headers: say so, use torch's
         return f"it did not compile ({type(exc).__name__}: {str(exc)[-300:]})"
+
+
+def compile_all() -> dict[str, str]:
+    """Compiles every kernel into KERNEL_CACHE whatever this CPU has (compiling needs no
+    feature; running does, and `load` checks it): the container image does this at build time.
+    Returns how each went."""
+    done = {}
+    for kernel, spec in KERNELS.items():
+        result = _build(*spec)
+        # where this CPU lacks a feature the module may build and then fail to import: built
+        built = any(_where(*spec).glob("*.so"))
+        done[kernel] = "compiled" if built else str(result)
+    return done
+
+
+if __name__ == "__main__":  # python -m engine.kernels.cpu_ext: compile them all now
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    results = compile_all()
+    for kernel, how in results.items():
+        print(f"{kernel}: {how}")
+    raise SystemExit(0 if set(results.values()) == {"compiled"} else 1)

@@ -36,7 +36,7 @@ ENABLED = True  # tests and benches compare against torch's ops by turning this 
 def kernel():
     """The compiled ops (engine/kernels/csrc/fused_ops.cpp), or why there are none (a str).
     Compiled without contracting a product and a sum into one FMA: the ops round as torch's."""
-    return cpu_ext.load("fused_ops.cpp", cpu_ext.AVX512, ("-ffp-contract=off",))
+    return cpu_ext.load("fused_ops")
 
 
 def usable(x: torch.Tensor, *widths: int) -> bool:

@@ -51,7 +51,7 @@ VNNI_BLOCK = 16  # output rows the VNNI kernel computes together
 @functools.cache
 def vnni_kernel():
     """The compiled VNNI kernel (engine/kernels/csrc/int4_vnni.cpp), or why there is none."""
-    return cpu_ext.load("int4_vnni.cpp", cpu_ext.AVX512 + ("avx512_vnni",))
+    return cpu_ext.load("int4_vnni")
 
 
 def pack_vnni(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor):

@@ -32,7 +32,7 @@ _EMPTY = torch.empty(0)
 @functools.cache
 def kernel():
     """The compiled loop, or why there is none (a str)."""
-    return cpu_ext.load("decode_layers.cpp", ())
+    return cpu_ext.load("decode_layers")
 
 
 def _addresses(attention_ext) -> list[int] | None:
