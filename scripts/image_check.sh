@@ -107,7 +107,7 @@ if [ $REGISTRY = 1 ]; then
   BASE=${BASE_IMAGE:-debian:bookworm-slim}
 else
   BASE=${BASE_IMAGE:-localhost/debian:bookworm}
-  if ! $ENGINE image exists "$BASE" 2> /dev/null && ! $ENGINE image inspect "$BASE" > /dev/null 2>&1; then
+  if ! $ENGINE image inspect "$BASE" > /dev/null 2>&1; then
     say "no container registry answers: making $BASE from Debian's packages (mmdebstrap)"
     command -v mmdebstrap > /dev/null || apt-get install -y -qq mmdebstrap > /dev/null
     mmdebstrap --variant=minbase --quiet bookworm "$WORK/base.tar" \
