@@ -134,6 +134,15 @@ def test_compose_services_ports_and_health(routes, default_config):
         assert "models:/models" in svc["volumes"]
         assert int(svc["stop_grace_period"].rstrip("s")) > drain
         assert svc["depends_on"]["fetch-models"]["condition"] == "service_completed_successfully"
+    # nginx resolves the replicas once: a restarted replica keeps its address and its MAC
+    # (a new MAC on the old address is unreachable until nginx's ARP entry ages out)
+    subnet = compose["networks"]["default"]["ipam"]["config"][0]["subnet"]
+    pinned = [services[n]["networks"]["default"] for n in ("specserve-1", "specserve-2")]
+    assert len({p["ipv4_address"] for p in pinned}) == len({p["mac_address"] for p in pinned}) == 2
+    for p in pinned:
+        assert p["ipv4_address"].rsplit(".", 1)[0] == subnet.rsplit(".", 1)[0]
+        first_octet = int(p["mac_address"].split(":")[0], 16)
+        assert first_octet & 0b11 == 0b10  # locally administered, unicast
     assert "8080:8080" in services["nginx"]["ports"]
     for svc in services.values():
         for volume in svc.get("volumes", []):

@@ -254,3 +254,96 @@ def test_nginx_streams_unbuffered_and_survives_a_replica_kill(model_dir, tmp_pat
         proc.wait(10)
         for r in replicas:
             r.terminate()
+
+
+class _Upstream:
+    """A loopback HTTP server standing in for a replica, to drive nginx's failure accounting:
+    it answers `status` after `delay` seconds; after close() it refuses new connections and
+    drops the open (keep-alive) ones unanswered, as a killed process does."""
+
+    def __init__(self):
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        upstream = self
+        self.status, self.delay, self.answers, self.dead = 200, 0.0, [], False
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_POST(self):
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                if upstream.dead:
+                    self.close_connection = True
+                    return
+                status = upstream.status
+                time.sleep(upstream.delay)
+                body = json.dumps({"status": status}).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+                upstream.answers.append(status)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.dead = True
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_nginx_serves_through_a_replica_on_probation_when_the_other_dies(tmp_path):
+    """A replica that failed once (a 503 while it drained) is on probation in nginx: one probe
+    request per fail_timeout until one succeeds. If the other replica dies while the probe (a
+    generation: seconds) is in flight, requests must still reach the one on probation (the
+    config's backup entries), never a 502 "no live upstreams"."""
+    nginx = need("nginx")
+    render = __import__("runpy").run_path(str(ROOT / "deploy" / "nginx" / "render.py"))["render"]
+    a, b = _Upstream(), _Upstream()
+    port = free_port()
+    runtime = tmp_path / "nginx"
+    runtime.mkdir()
+    conf = runtime / "nginx.conf"
+    conf.write_text(render([f"127.0.0.1:{a.port}", f"127.0.0.1:{b.port}"], f"127.0.0.1:{port}",
+                           str(runtime), fail_timeout_s=1))
+    globals_ = "daemon off;" + (" user root;" if os.geteuid() == 0 else "")
+    proc = subprocess.Popen([nginx, "-c", str(conf), "-p", str(runtime), "-g", globals_],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                httpx.post(url, json={}, timeout=5)
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, "nginx did not start"
+                time.sleep(0.1)
+        # a drains: its 503 is retried on b, and nginx puts a on probation
+        a.status = 503
+        for _ in range(4):
+            assert httpx.post(url, json={}, timeout=10).status_code == 200
+        assert 503 in a.answers
+        a.status, a.delay = 200, 1.5
+        time.sleep(1.2)  # past fail_timeout: a is probed again with the next request
+        b.close()        # the other replica dies
+
+        async def main():
+            async with httpx.AsyncClient(timeout=30) as ac:
+                probe = asyncio.create_task(ac.post(url, json={}))
+                await asyncio.sleep(0.3)  # the probe is in flight on a: a counts as out
+                rest = [ac.post(url, json={}) for _ in range(3)]
+                return [r.status_code for r in await asyncio.gather(probe, *rest)]
+
+        assert asyncio.run(main()) == [200] * 4
+        assert a.answers[-4:] == [200] * 4
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        a.close()

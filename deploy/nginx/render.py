@@ -20,8 +20,11 @@ TEMPLATE = Path(__file__).with_name("nginx.conf.template")
 def render(upstreams: list[str], listen: str = "8080", runtime_dir: str = "/tmp/nginx",
            access_log: str | None = None, error_log: str | None = None,
            max_fails: int = 1, fail_timeout_s: int = 10) -> str:
-    servers = "\n".join(f"        server {u} max_fails={max_fails} fail_timeout={fail_timeout_s}s;"
-                        for u in upstreams)
+    servers = "\n".join(
+        [f"        server {u} max_fails={max_fails} fail_timeout={fail_timeout_s}s;"
+         for u in upstreams]
+        + [f"        server {u} backup max_fails={max_fails} fail_timeout={fail_timeout_s}s;"
+           for u in upstreams])
     return Template(TEMPLATE.read_text()).safe_substitute(
         UPSTREAM_SERVERS=servers, LISTEN=listen, PID_FILE=f"{runtime_dir}/nginx.pid",
         ERROR_LOG=error_log or f"{runtime_dir}/error.log",
