@@ -98,6 +98,9 @@ class SpeculativeConfig:
     # differently, a draft head and the draft model draft EAGLE-2 dynamic trees (several
     # continuations verified in one forward, the most likely first); at most this many nodes
     # per sequence and step (0: chains only, the default; at most 64; docs/speculation.md).
+    # Medusa prunes its stored tree to it. Lookahead's proposals are trees by construction,
+    # sized by `lookahead` (max_candidates n-grams of ngram - 1 tokens, and the window's rows),
+    # whatever this is.
     tree_max_nodes: int = 0
     # how a seeded sampled request's drafts are verified: "coupled" accepts a draft iff the
     # target's own position-keyed race picks it, so the output is exactly the output without
