@@ -35,7 +35,7 @@ int4_spec_vs_int4_plain=… suffix_vs_int4_plain=… int4_vs_bf16_plain=…
 ours_spec_vs_llamacpp_spec=… ours_suffix_vs_llamacpp_plain=…` (ours spec: int4 + the int4
 draft model; at c=8: int4 + the draft; llama.cpp at c=8: the faster of its two settings;
 suffix: int4 with suffix speculation, no draft model) and writes
-bench/results/cpu_vs_llamacpp.md.
+bench/results/cpu_vs_llamacpp_<maker>.md (intel, amd or other: kernels cost differently by CPU).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from results_file import write_results  # noqa: E402
+from results_file import cpu_vendor, write_results  # noqa: E402
 from server_utils import ServerProcess, free_port, wait_ok  # noqa: E402
 
 from engine.models import recipes  # noqa: E402
@@ -248,7 +248,9 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--k-max", type=int, default=4)
     parser.add_argument("--draft-vocab-size", type=int, default=32768)
-    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "cpu_vs_llamacpp.md"))
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results"
+                                             / f"cpu_vs_llamacpp_{cpu_vendor()}.md"),
+                        help="default: one file per CPU maker (intel, amd, other)")
     args = parser.parse_args()
     binary = Path(args.llama_server)
     if not binary.is_file():

@@ -31,6 +31,13 @@ def cpu_model() -> str:
     return platform.processor() or "unknown CPU"
 
 
+def cpu_vendor() -> str:
+    """"intel", "amd" or "other": where a bench's results differ by CPU maker (its kernels'
+    costs do), each keeps its own results file."""
+    name = cpu_model().lower()
+    return "intel" if "intel" in name else "amd" if "amd" in name else "other"
+
+
 def write_results(out: str | Path, title: str, threads: int, details: list[str], table: str,
                   result: str) -> None:
     """details: bench-specific lines (models, dtypes, workload) after date, machine, command."""
