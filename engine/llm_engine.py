@@ -240,7 +240,8 @@ class LLMEngine:
         verified = self.verifier.verify(seqs, step.logits, step.row_offsets, drafts, masks)
         if verified.paths is not None:
             self._compact(out, verified.paths)
-        self.speculator.verified(out, step, verified.tokens, drafts, verified.paths)
+        self.speculator.verified(out, step, verified.tokens, drafts, verified.paths,
+                                 verified.window)
         record = StepRecord(step_started, out.num_batched_tokens, len(out.scheduled),
                             [(s.num_drafts, len(t) - 1)
                              for s, t in zip(out.scheduled, verified.tokens) if t],

@@ -47,6 +47,21 @@ class Verified(NamedTuple):
     logprobs: list[list | None]
     ended: object
     paths: list[list[int] | None] | None = None
+    # per sequence with lookahead rows: the target's argmax at each (read with the tokens:
+    # the windows' next level, Speculator.verified); None without any
+    window: list[list[int] | None] | None = None
+
+
+def _per_owner(owners: list["_Owner"], picks: list[int], seqs: list[Sequence]
+               ) -> list[list[int] | None]:
+    """The lookahead rows' picks (in the owners' order) split per sequence."""
+    out: list[list[int] | None] = [None for _ in seqs]
+    at = 0
+    for o in owners:
+        n = o.k - o.kv
+        if n:
+            out[o.index], at = picks[at:at + n], at + n
+    return out
 
 
 class _Owner(NamedTuple):
@@ -124,8 +139,13 @@ class Verifier:
                 rows += [row_spec(o.seq, len(path), [host[a] for a in path]) for path in tree]
         emitted, nodes = self._emitted(owners, rows, logits, drafts, masks)
         lp = self._logprob_tensors(owners, emitted, logits, drafts)
+        window_rows = [] if drafts is None else [
+            r for o in owners for r in range(o.first_row + 1 + o.kv, o.first_row + 1 + o.k)]
+        window = (logits.index_select(0, device_io.to_device(window_rows, torch.long,
+                                                             self.device)).argmax(dim=-1)
+                  if window_rows else None)
         ended = self.marks.mark()
-        host = device_io.lists(emitted, nodes, *(lp or (None, None, None)))
+        host = device_io.lists(emitted, nodes, window, *(lp or (None, None, None)))
         emitted_lists = rejection_sampler.to_lists(host[0])
         paths: list[list[int] | None] | None = None if nodes is None else [None for _ in seqs]
         if paths is not None:  # (a verified chain's accepted nodes are its first ones)
@@ -134,9 +154,10 @@ class Verifier:
                 if tree is not None:
                     paths[o.index] = tree[node] if node >= 0 else list(range(len(toks) - 1))
         for o, toks, lps in zip(owners, emitted_lists,
-                                self._logprobs(owners, emitted_lists, host[2:], paths)):
+                                self._logprobs(owners, emitted_lists, host[3:], paths)):
             tokens[o.index], logprobs[o.index] = toks, lps
-        return Verified(tokens, logprobs, ended, paths)
+        return Verified(tokens, logprobs, ended, paths,
+                        None if window is None else _per_owner(owners, host[2], seqs))
 
     def _emitted(self, owners: list[_Owner], rows: list[sampler.RowSpec], logits: torch.Tensor,
                  drafts: Drafts | None, masks: GrammarMasks | None

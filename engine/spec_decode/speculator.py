@@ -77,8 +77,8 @@ class NoSpeculation:
         return None
 
     def verified(self, out: SchedulerOutput, step: StepLogits, emitted: list[list[int]],
-                 drafts: Drafts | None = None, paths: list[list[int] | None] | None = None
-                 ) -> None:
+                 drafts: Drafts | None = None, paths: list[list[int] | None] | None = None,
+                 window: list[list[int] | None] | None = None) -> None:
         """The target pass's results: its logits rows and, when the runner captured them, a
         draft head's features (`step.hidden`: `keep_features` gets them); per scheduled
         sequence the tokens it emitted ([] for none)."""
@@ -172,10 +172,11 @@ class Speculator(NoSpeculation):
         return Drafts.gather(per_seq, self.device, trees, lookahead)
 
     def verified(self, out: SchedulerOutput, step: StepLogits, emitted: list[list[int]],
-                 drafts: Drafts | None = None, paths: list[list[int] | None] | None = None
-                 ) -> None:
+                 drafts: Drafts | None = None, paths: list[list[int] | None] | None = None,
+                 window: list[list[int] | None] | None = None) -> None:
         """drafts, paths: the step's drafts and, where they were token trees, each one's
-        accepted path (`Verified.paths`)."""
+        accepted path (`Verified.paths`); window: per sequence the target's argmax at its
+        lookahead rows (`Verified.window`: read with the tokens), the windows' next level."""
         super().verified(out, step, emitted, drafts, paths)
         for i, (s, tokens) in enumerate(zip(out.scheduled, emitted)):
             k = drafts.num_verified(i) if s.num_drafts else 0  # (lookahead rows are not)
@@ -190,24 +191,10 @@ class Speculator(NoSpeculation):
                 self._record(s.seq, k, len(tokens) - 1, rejected, tree, path)
             elif tokens and s.seq.request_id in self._states:
                 self._states[s.seq.request_id].method = None
-        if self.lookahead is not None and drafts is not None and any(drafts.num_lookahead):
-            self._window_outputs(out, step, drafts)
-
-    def _window_outputs(self, out: SchedulerOutput, step: StepLogits, drafts: Drafts) -> None:
-        """The target's argmax at each lookahead row (one read): each window's next level."""
-        rows, owners = [], []
-        for i, s in enumerate(out.scheduled):
-            n = drafts.num_lookahead[i]
-            if n:
-                first = step.row_offsets[i] + 1 + drafts.num_verified(i)
-                rows += range(first, first + n)
-                owners.append((s.seq, n))
-        index = to_device(rows, torch.long, step.logits.device)
-        picks = step.logits.index_select(0, index).argmax(dim=-1).tolist()
-        at = 0
-        for seq, n in owners:
-            self.lookahead.stepped(seq, n, picks[at:at + n])
-            at += n
+        if self.lookahead is not None and window is not None:
+            for s, picks in zip(out.scheduled, window):
+                if picks:
+                    self.lookahead.stepped(s.seq, len(picks), picks)
 
     def keep_features(self, entries: list[tuple[Sequence, int, int]],
                       step: StepLogits) -> None:
@@ -302,8 +289,6 @@ class Speculator(NoSpeculation):
                 self._set_drafts(s, match.token_ids[:k], None, (method, match.match_length),
                                  parents=match.parents[:k] if match.parents else None)
         chosen = [(s, k, room) for s, k, room in zip(candidates, choice.draft_ks, rooms) if k > 0]
-        if self.lookahead is not None and mode != "plain":
-            self._windows(running, [s for s, k in zip(candidates, choice.draft_ks) if not k])
         trees, chains = [], []
         for c in chosen:
             (trees if self._proposer_tree_ok(c[0]) else chains).append(c)
@@ -312,6 +297,9 @@ class Speculator(NoSpeculation):
         if trees:
             self._propose_trees([s for s, _, _ in trees], [r for _, _, r in trees],
                                 *self.guard.tree_prices(choice))
+        if self.lookahead is not None and mode != "plain":  # (priced at the pass's size with
+            # every other draft of the step in it)
+            self._windows(running, [s for s, k in zip(candidates, choice.draft_ks) if not k])
         return [s for s, _, _ in chosen]
 
     def _windows(self, running: list[Sequence], seqs: list[Sequence]) -> None:
