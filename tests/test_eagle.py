@@ -32,22 +32,26 @@ def untrained_head(target, path, vocab=None):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """A head trained for a few seconds on the tiny target's own answers to the default
-    prompts (the first 4 held out), with its report."""
+    """A head trained for a few seconds on the tiny target's own answers (`tiny_training`),
+    with its report."""
     out = tmp_path_factory.mktemp("head")
+    report = train(tiny_training(out), model=tiny_target(), tokenizer=build_tokenizer())
+    return str(out), report
+
+
+def tiny_training(out, loss: str = "ce") -> TrainOptions:
+    """Training on the tiny target's answers to 96 default prompts (the first 4 held out): a
+    fixed amount of work (4 passes over 92 answers), the budget only a bound."""
     prompts = out / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"messages": m}) + "\n"
                                for m in single_turns()[:96]))
-    # a fixed amount of work (3 passes over 92 answers), the budget only a bound
-    opts = TrainOptions(target="tiny", out=str(out), prompts=str(prompts), minutes=4,
-                        epochs=4,
+    return TrainOptions(target="tiny", out=str(out), prompts=str(prompts), minutes=4,
+                        epochs=4, loss=loss,
                         max_new_tokens=32, concurrency=16, quantization="none",
                         dtype="float32", draft_vocab_size=0, held_out=4, progress=False,
                         report_k=4, checkpoint_minutes=0.05, batch_tokens=32,
                         engine_overrides=dict(num_blocks=512, batch_invariant=False,
                                               cpu_matmul_autotune=False))
-    report = train(opts, model=tiny_target(), tokenizer=build_tokenizer())
-    return str(out), report
 
 
 def single_turns():
@@ -413,17 +417,8 @@ def test_the_acceptance_loss_is_minus_log_of_speculative_samplings_acceptance_ch
 
 
 def test_training_with_the_acceptance_loss_raises_acceptance_too(tmp_path):
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"messages": m}) + "\n"
-                               for m in single_turns()[:96]))
-    opts = TrainOptions(target="tiny", out=str(tmp_path / "head"), prompts=str(prompts),
-                        minutes=4, epochs=4, loss="accept",
-                        max_new_tokens=32, concurrency=16, quantization="none",
-                        dtype="float32", draft_vocab_size=0, held_out=4, progress=False,
-                        report_k=4, checkpoint_minutes=0.05, batch_tokens=32,
-                        engine_overrides=dict(num_blocks=512, batch_invariant=False,
-                                              cpu_matmul_autotune=False))
-    report = train(opts, model=tiny_target(), tokenizer=build_tokenizer())
+    report = train(tiny_training(tmp_path, loss="accept"), model=tiny_target(),
+                   tokenizer=build_tokenizer())
     before, after = report["acceptance_length_untrained"], report["acceptance_length"]
     assert after[3] > before[3] + 0.5, report
 
