@@ -9,7 +9,6 @@ from pathlib import Path
 from types import ModuleType
 
 from engine.config import INT4_KERNELS, QUANTIZATION_MODES, SPEC_METHODS
-from training.losses import LOSSES
 
 
 def _models_fetch(args: argparse.Namespace) -> int:
@@ -94,7 +93,7 @@ def _speculator_train(args: argparse.Namespace) -> int:
         minutes=args.minutes, data_share=args.data_share, max_new_tokens=args.max_new_tokens,
         concurrency=args.concurrency, quantization=args.quantization, dtype=args.dtype,
         device=args.device, draft_vocab_size=args.draft_vocab_size, ttt_steps=args.ttt_steps,
-        lr=args.lr, feature_loss=args.feature_loss, loss=args.loss, epochs=args.epochs,
+        lr=args.lr, feature_loss=args.feature_loss, epochs=args.epochs,
         model_cache_dir=args.cache_dir, from_traffic=args.from_traffic, resume=args.resume,
         progress=not args.no_progress)
     try:
@@ -161,10 +160,6 @@ def _add_speculator(sub) -> None:
                          "the budget ends)")
     tr.add_argument("--feature-loss", type=float, default=0.0,
                     help="weight of EAGLE's feature regression (0: off)")
-    tr.add_argument("--loss", choices=LOSSES, default="ce",
-                    help="each drafted row's loss: the soft cross-entropy against the "
-                         "target's top tokens (ce), or the acceptance-rate objective "
-                         "-log sum min(p, q) (accept)")
     tr.add_argument("--from-traffic", metavar="DIR",
                     help="train on served traffic (speculative.record) instead of generated "
                          "answers: ONE folder of it, DIR/shared or a tenant's DIR/tenant-...")

@@ -32,26 +32,22 @@ def untrained_head(target, path, vocab=None):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """A head trained for a few seconds on the tiny target's own answers (`tiny_training`),
-    with its report."""
+    """A head trained for a few seconds on the tiny target's own answers to the default
+    prompts (the first 4 held out), with its report."""
     out = tmp_path_factory.mktemp("head")
-    report = train(tiny_training(out), model=tiny_target(), tokenizer=build_tokenizer())
-    return str(out), report
-
-
-def tiny_training(out, loss: str = "ce") -> TrainOptions:
-    """Training on the tiny target's answers to 96 default prompts (the first 4 held out): a
-    fixed amount of work (4 passes over 92 answers), the budget only a bound."""
     prompts = out / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"messages": m}) + "\n"
                                for m in single_turns()[:96]))
-    return TrainOptions(target="tiny", out=str(out), prompts=str(prompts), minutes=4,
-                        epochs=4, loss=loss,
+    # a fixed amount of work (3 passes over 92 answers), the budget only a bound
+    opts = TrainOptions(target="tiny", out=str(out), prompts=str(prompts), minutes=4,
+                        epochs=4,
                         max_new_tokens=32, concurrency=16, quantization="none",
                         dtype="float32", draft_vocab_size=0, held_out=4, progress=False,
                         report_k=4, checkpoint_minutes=0.05, batch_tokens=32,
                         engine_overrides=dict(num_blocks=512, batch_invariant=False,
                                               cpu_matmul_autotune=False))
+    report = train(opts, model=tiny_target(), tokenizer=build_tokenizer())
+    return str(out), report
 
 
 def single_turns():
@@ -389,47 +385,3 @@ def test_answers_are_collected_continuously_and_a_rerun_answers_only_the_rest(tm
     for i in range(0, 10, 2):  # the greedy ones (odd prompts are sampled at T 0.7)
         assert torch.equal(both[i].ids, whole[i].ids)
         assert torch.equal(both[i].features, whole[i].features)
-
-
-def test_the_acceptance_loss_is_minus_log_of_speculative_samplings_acceptance_chance():
-    """training/losses.py: "accept" is -log sum min(p, q) = -log(1 - TV(p, q)): zero where the
-    head's q is the target's p, and a gradient step on the logits raises the chance; "ce" is
-    the soft cross-entropy; another kind is refused by name."""
-    from training.losses import row_losses
-
-    gen = torch.Generator().manual_seed(0)
-    p = torch.softmax(torch.randn(5, 40, generator=gen) * 3, dim=-1)
-    logits = torch.randn(5, 40, generator=gen, requires_grad=True)
-    q = torch.softmax(logits.detach(), dim=-1)
-    tv = 0.5 * (p - q).abs().sum(1)
-    torch.testing.assert_close(row_losses(p, logits, "accept"), -torch.log(1 - tv))
-    torch.testing.assert_close(row_losses(p, p.log(), "accept"), torch.zeros(5),
-                               atol=1e-6, rtol=0)
-    torch.testing.assert_close(row_losses(p, logits, "ce"),
-                               -(p * torch.log_softmax(logits, -1)).sum(1))
-    before = row_losses(p, logits, "accept").sum()
-    before.backward()
-    with torch.no_grad():
-        after = row_losses(p, logits - 0.5 * logits.grad, "accept").sum()
-    assert after < before
-    with pytest.raises(ValueError, match="loss"):
-        row_losses(p, logits, "hinge")
-
-
-def test_training_with_the_acceptance_loss_raises_acceptance_too(tmp_path):
-    report = train(tiny_training(tmp_path, loss="accept"), model=tiny_target(),
-                   tokenizer=build_tokenizer())
-    before, after = report["acceptance_length_untrained"], report["acceptance_length"]
-    assert after[3] > before[3] + 0.5, report
-
-
-def test_the_train_command_refuses_an_unknown_loss(tmp_path, capsys):
-    from server.cli import main
-
-    with pytest.raises(SystemExit) as exit_:
-        main(["speculator", "train", "--target", "tiny", "--out", str(tmp_path / "head"),
-              "--loss", "hinge"])
-    assert exit_.value.code == 2 and "--loss" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="--loss 'hinge'"):
-        train(TrainOptions(target="tiny", out=str(tmp_path / "h"), loss="hinge"),
-              model=tiny_target(), tokenizer=build_tokenizer())

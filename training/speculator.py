@@ -18,9 +18,8 @@ plain engine through its public API and reads the target's layers the way the ru
    served head (`--resume`), and learns
    by training-time test (EAGLE-3): step 0 reads the target's features, step j its own output
    of step j - 1 with the true next token, each row attending to the true prefix's head K/V
-   and its own chain's; loss (training/losses.py, `--loss`): cross-entropy against the
-   target's distribution (restricted to the draft vocabulary) or the acceptance-rate
-   objective, step j weighted DECAY ** j; optionally EAGLE's feature regression.
+   and its own chain's; loss: cross-entropy against the target's distribution (restricted to
+   the draft vocabulary), step j weighted DECAY ** j; optionally EAGLE's feature regression.
    Checkpoints every few minutes; a rerun of the same command resumes.
 3. Report: acceptance length per k on held-out conversations (greedy: drafts compared with the
    target's own top token), before and after training.
@@ -47,7 +46,6 @@ from engine.spec_decode import medusa
 from engine.spec_decode import heads as speculator_files
 from engine.spec_decode.eagle import EagleHead, head_config, initialize_from_target, save_head
 from training import medusa as medusa_training
-from training.losses import LOSSES, row_losses
 from engine.spec_decode.speculator import NoSpeculation
 
 log = logging.getLogger("specserve.train")
@@ -81,7 +79,6 @@ class TrainOptions:
     batch_tokens: int = 512  # trained tokens per optimizer step
     epochs: float | None = None  # stop after this many passes over the data (None: the budget)
     feature_loss: float = 0.0  # weight of EAGLE's feature regression (0: off)
-    loss: str = "ce"  # training/losses.py LOSSES: what each drafted row's loss is
     held_out: int = 8  # conversations kept for the report
     report_k: int = 5
     checkpoint_minutes: float = 3.0
@@ -357,12 +354,11 @@ class Labels:
 
 
 def step_losses(head: EagleHead, embed, ex: Example, labels: Labels, steps: int,
-                feature_loss: float, loss: str = "ce") -> tuple[torch.Tensor, list[float]]:
-    """The example's training loss (each row's: training/losses.py `row_losses` of
-    kind `loss`) and each
-    step's (Medusa: each head's) top-1 accuracy (trained rows)."""
+                feature_loss: float) -> tuple[torch.Tensor, list[float]]:
+    """The example's training loss and each step's (Medusa: each head's) top-1 accuracy
+    (trained rows)."""
     if isinstance(head, medusa.MedusaHeads):
-        return medusa_training.losses(head, ex, labels, loss)
+        return medusa_training.losses(head, ex, labels)
     device = next(head.parameters()).device
     total, accuracy, weight = torch.zeros((), device=device), [], 0.0
     n = len(ex.ids)
@@ -372,8 +368,10 @@ def step_losses(head: EagleHead, embed, ex: Example, labels: Labels, steps: int,
         ok &= ex.mask[pos]
         if not ok.any():
             continue
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        ce = -(target.to(device) * logp).sum(1)
         ok_d = ok.to(device)
-        total = total + DECAY ** j * row_losses(target.to(device), logits, loss)[ok_d].mean()
+        total = total + DECAY ** j * ce[ok_d].mean()
         weight += DECAY ** j
         top = labels.row[ex.top_ids[pos, 0].long()].to(device)
         accuracy.append(float((logits.argmax(1) == top)[ok_d].float().mean()))
@@ -504,8 +502,6 @@ def _new_or_resumed(opts: TrainOptions, target, tok, vocab_size: int, device):
     (None, a new head's config)."""
     if opts.kind not in ("eagle", "medusa"):
         raise ValueError(f"--kind {opts.kind!r}: use eagle or medusa")
-    if opts.loss not in LOSSES:
-        raise ValueError(f"--loss {opts.loss!r}: use {' or '.join(LOSSES)}")
     if opts.resume:  # a served head, fine-tuned (its own config: layers, vocabulary)
         head = speculator_files.load(opts.resume, opts.kind, target, torch.float32, device,
                                      "--resume")
@@ -609,7 +605,7 @@ def _fit(opts: TrainOptions, head: EagleHead, embed, examples: list[Example], la
         tokens = int(ex.mask.sum())
         with autocast:
             loss, accuracy = step_losses(head, embed, ex, labels, opts.ttt_steps,
-                                         opts.feature_loss, opts.loss)
+                                         opts.feature_loss)
         if not loss.requires_grad or not math.isfinite(float(loss.detach())):
             continue
         (loss * tokens / opts.batch_tokens).backward()
