@@ -5,7 +5,7 @@ STAMP := $(VENV)/.specserve-installed
 PYTEST_ARGS ?=
 
 .PHONY: install test serve bench-engine bench-spec bench-methods bench-trees bench-predicted \
-	bench-eagle bench-trees-eagle bench-medusa bench-lookahead bench-server bench-tp bench-llamacpp wheelhouse gpu-check image-check clean
+	bench-eagle bench-traffic bench-trees-eagle bench-medusa bench-lookahead bench-server bench-tp bench-llamacpp wheelhouse gpu-check image-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -61,13 +61,20 @@ bench-tp: install
 	$(PY) bench/tensor_parallel.py
 
 # A draft head for the served target (int4 on the CPU), trained once within 60 minutes and
-# cached, then plain / draft model / eagle / hybrid with the head side by side.
+# cached (its curve: bench/results/eagle_training_<intel|amd>.md), then plain / draft model / eagle /
+# hybrid with the head side by side.
 SPECULATOR ?= $(HOME)/.cache/specserve/speculators/qwen2.5-coder-1.5b-instruct-auto
 bench-eagle: install
 	$(VENV)/bin/specserve models fetch qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct
-	test -f $(SPECULATOR)/config.json || $(VENV)/bin/specserve speculator train \
-		--target qwen2.5-coder-1.5b-instruct --out $(SPECULATOR) --minutes 60 --concurrency 32
+	$(PY) bench/eagle_training.py --head $(SPECULATOR) --minutes 60 --concurrency 32
 	$(PY) bench/spec_methods.py --speculator $(SPECULATOR)
+
+# Learning from served traffic: serve with `speculative.record` on, send 200 chat requests,
+# fine-tune bench-eagle's head on them for 10 minutes, held-out acceptance before and after.
+bench-traffic: install
+	$(VENV)/bin/specserve models fetch qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct
+	$(PY) bench/eagle_training.py --head $(SPECULATOR) --minutes 60 --concurrency 32
+	$(PY) bench/traffic_finetune.py --head $(SPECULATOR)
 
 # A head's EAGLE-2 dynamic token trees against its chains (the head from bench-eagle's cache,
 # trained first where it is missing).

@@ -543,7 +543,12 @@ def main() -> int:
         details.append(f"speculator {args.speculator}: {describe_head(args.speculator)}; one "
                        f"head forward (1 row) {1e3 * head_cost[0]:.1f} ms, one target decode "
                        f"forward {1e3 * head_cost[1]:.1f} ms")
-        result = (f"RESULT eagle_chat_vs_plain={rates['eagle', 'chat', 1] / rates['plain', 'chat', 1]:.2f} "
+        from eagle_training import rate_per_min  # (bench/: the head's training bench)
+
+        report = json.loads((Path(args.speculator) / "report.json").read_text())
+        result = (f"RESULT answer_tokens_per_min={rate_per_min(report):.0f} "
+                  f"eagle_accept_len_k5={report['acceptance_length'][-1]:.2f} "
+                  f"eagle_chat_vs_plain={rates['eagle', 'chat', 1] / rates['plain', 'chat', 1]:.2f} "
                   f"eagle_vs_draft_chat={rates['eagle', 'chat', 1] / rates['draft_model', 'chat', 1]:.2f} "
                   f"hybrid_code_edit={rates[hybrid, 'code_edit', 1] / rates['plain', 'code_edit', 1]:.2f} "
                   f"eagle_head_cost={head_cost[0] / head_cost[1]:.3f} "
