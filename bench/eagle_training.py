@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -38,7 +37,7 @@ BASELINE = {"answer_tokens_per_min": 48.0 * 60, "k5": 1.83}  # 2026-12-01, Xeon
 
 
 def train_command(args) -> list[str]:
-    exe = shutil.which("specserve") or str(Path(sys.executable).parent / "specserve")
+    exe = str(Path(sys.executable).parent / "specserve")  # the environment's own
     return [exe, "speculator", "train", "--target", TARGET, "--out", args.head,
             "--minutes", f"{args.minutes:g}", "--concurrency", str(args.concurrency)]
 
@@ -69,8 +68,8 @@ def main() -> int:
     args = parser.parse_args()
     command = train_command(args)
     ran = not (Path(args.head) / "config.json").exists()
-    if ran:
-        subprocess.run(command, check=True)
+    if ran and subprocess.run(command).returncode:
+        return 2  # (the training printed why)
     report = json.loads((Path(args.head) / "report.json").read_text())
     table = curve_table(report)
     acc = report["acceptance_length"]

@@ -126,7 +126,7 @@ def main() -> int:
         sent_file.write_text(json.dumps(record_traffic(args, work)))
     sent = json.loads(sent_file.read_text())
     folder = traffic_folder(work)
-    exe = shutil.which("specserve") or str(Path(sys.executable).parent / "specserve")
+    exe = str(Path(sys.executable).parent / "specserve")  # the environment's own
     # the budget: --minutes of training after at most --data-minutes of teacher forcing
     budget = args.minutes + args.data_minutes
     command = [exe, "speculator", "train", "--target", TARGET, "--out", str(work / "head"),
@@ -134,7 +134,8 @@ def main() -> int:
                f"{budget:g}", "--data-share", f"{args.data_minutes / budget:.3f}",
                "--no-progress"]
     shutil.rmtree(work / "head", ignore_errors=True)  # no checkpoint of an earlier try
-    subprocess.run(command, check=True)
+    if subprocess.run(command).returncode:
+        return 2  # (the training printed why)
     report = json.loads((work / "head" / "report.json").read_text())
     before, after = report["acceptance_length_untrained"], report["acceptance_length"]
     table = ("| head | " + " | ".join(f"k={k}" for k in range(1, len(after) + 1)) + " |\n|"
