@@ -73,7 +73,8 @@ bench-eagle: install
 # fine-tune bench-eagle's head on them for 10 minutes, held-out acceptance before and after.
 bench-traffic: install
 	$(VENV)/bin/specserve models fetch qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct
-	$(PY) bench/eagle_training.py --head $(SPECULATOR) --minutes 60 --concurrency 32
+	test -f $(SPECULATOR)/config.json || $(PY) bench/eagle_training.py --head $(SPECULATOR) \
+		--minutes 60 --concurrency 32
 	$(PY) bench/traffic_finetune.py --head $(SPECULATOR)
 
 # A head's EAGLE-2 dynamic token trees against its chains (the head from bench-eagle's cache,

@@ -27,10 +27,9 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from results_file import cpu_vendor, write_results
 
-from results_file import cpu_vendor, write_results  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 TARGET = "qwen2.5-coder-1.5b-instruct"
 BASELINE = {"answer_tokens_per_min": 48.0 * 60, "k5": 1.83}  # 2026-12-01, Xeon

@@ -35,13 +35,14 @@ import torch
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from results_file import write_results  # noqa: E402
 from server_utils import ServerProcess  # noqa: E402
 
 TARGET = "qwen2.5-coder-1.5b-instruct"
+# `--from-traffic` holds out its oldest min(8, rows // 5) rows: the 8 held-out requests
+HELD_REQUESTS = 8
 
 
 def prompts() -> tuple[list[list[dict]], list[list[dict]]]:
@@ -117,6 +118,9 @@ def main() -> int:
     parser.add_argument("--work", default=None, help="where traffic and the new head go")
     parser.add_argument("--out", default=str(ROOT / "bench/results/traffic_finetune.md"))
     args = parser.parse_args()
+    if (args.requests + HELD_REQUESTS) // 5 < HELD_REQUESTS:
+        parser.error(f"--requests {args.requests}: at least {4 * HELD_REQUESTS}, so that "
+                     f"training holds out exactly the {HELD_REQUESTS} held-out requests")
     if not (Path(args.head) / "config.json").exists():
         parser.error(f"--head {args.head}: no trained head there (make bench-eagle trains one)")
     work = Path(args.work or tempfile.mkdtemp(prefix="specserve-traffic-"))
@@ -137,6 +141,10 @@ def main() -> int:
     if subprocess.run(command).returncode:
         return 2  # (the training printed why)
     report = json.loads((work / "head" / "report.json").read_text())
+    if report["held_out"] != sent["held_requests"]:
+        print(f"error: training held out {report['held_out']} rows, not the "
+              f"{sent['held_requests']} held-out requests", file=sys.stderr)
+        return 2
     before, after = report["acceptance_length_untrained"], report["acceptance_length"]
     table = ("| head | " + " | ".join(f"k={k}" for k in range(1, len(after) + 1)) + " |\n|"
              + "---|" * (len(after) + 1) + "\n| as served (before) | "
