@@ -168,6 +168,49 @@ def test_eagle_stays_exact_with_preemption_and_after_prefix_cache_hits(trained, 
     assert 0 < engine.speculator.proposer.rows_without_features <= 2 * 6
 
 
+def test_a_sequence_left_plain_runs_no_head_row_and_keeps_few_features(trained, monkeypatch):
+    """While the guard runs plain steps the head runs nothing and each sequence keeps only its
+    newest WAIT_ROWS features; when drafting resumes the head catches up (the dropped rows
+    with zero features) and the output is plain decoding's."""
+    from engine.spec_decode import eagle_proposer
+
+    monkeypatch.setattr(eagle_proposer, "WAIT_ROWS", 8)
+    prompts = held_out_prompts()
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain = make_engine(tiny_target()).generate(prompts, greedy)
+    engine = make_engine(tiny_target(), "eagle", speculator=trained[0], k_max=4)
+    speculator, proposer = engine.speculator, engine.speculator.proposer
+    plain_steps, forwards, waiting = [20], [], []
+    mode = speculator.guard.mode
+
+    def guarded(num_running):
+        plain_steps[0] -= 1
+        return "plain" if plain_steps[0] >= 0 else mode(num_running)
+
+    head_forward = proposer._forward
+
+    def counted(rows, keep_last):
+        forwards.append(plain_steps[0])
+        return head_forward(rows, keep_last)
+
+    monkeypatch.setattr(speculator.guard, "mode", guarded)
+    monkeypatch.setattr(proposer, "_forward", counted)
+    ids = [engine.add_request(p, greedy) for p in prompts]
+    outputs = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out
+        if plain_steps[0] >= 0:
+            waiting.append(max(proposer.waiting_rows(s) for s in engine.scheduler.running))
+    assert [outputs[i].output_token_ids for i in ids] == [o.output_token_ids for o in plain]
+    assert forwards and all(f < 0 for f in forwards)  # none in a plain step
+    assert max(waiting) == 8
+    assert proposer.rows_without_features >= len(prompts) * 10
+    assert speculator.stats.num_accepted_tokens > 0
+    assert engine.speculator.num_states == 0
+
+
 def test_eagle_sampled_output_keeps_the_target_distribution(tmp_path):
     """Rejection sampling of the head's drafts: chains sampled from q (with trees on: a
     request verified by rejection drafts a chain)."""

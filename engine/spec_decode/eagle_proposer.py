@@ -22,8 +22,10 @@ are shared, so the head keeps the rows those blocks hold (written by the request
 them, from the same tokens) and never writes there; its first row after the hit lacks the
 feature before it and is computed from its token with a zero feature (`rows_without_features`
 counts such rows). The output stays exact whatever the head's rows hold. Sequences that do not
-draft keep their features until they do, or until ABSORB_ROWS of them wait (`absorb`: a
-forward without logits), so a plain step pays no head forward.
+draft run no head row: their rows wait, like a draft model's catch-up, until the guard drafts
+for them again (it prices the catch-up, engine/spec_decode/guard.py). Their features wait with
+them, at most WAIT_ROWS per sequence (the newest): a row whose feature was dropped is computed
+from its token with a zero feature, as after a prefix-cache hit (`rows_without_features`).
 """
 
 from __future__ import annotations
@@ -43,7 +45,9 @@ from engine.spec_decode.draft_model import DraftSampler
 from engine.spec_decode.eagle import EagleHead
 from engine.spec_decode.proposer import Proposal, Proposer
 
-ABSORB_ROWS = 64  # a sequence not drafting absorbs its waiting features once this many wait
+# a sequence not drafting keeps the features of its newest this many rows (the 1.5B target's
+# three captured layers: 9 KiB a row in bf16, 2.3 MiB a sequence); its head rows wait with them
+WAIT_ROWS = 256
 
 
 class EagleProposer(Proposer):
@@ -68,6 +72,9 @@ class EagleProposer(Proposer):
                                     stop_confidence)
         # request id -> [(first position, [rows, features])], contiguous, ascending
         self._features: dict[str, list[tuple[int, torch.Tensor]]] = {}
+        # request id -> the first position the target computed a feature at (after a
+        # prefix-cache hit: the first uncached one; rows before it are the shared blocks')
+        self._start: dict[str, int] = {}
         # request id -> (position, g) of its last head row (to run it again: see _catch_up_rows)
         self._last: dict[str, tuple[int, torch.Tensor]] = {}
         self.rows_without_features = 0
@@ -80,11 +87,26 @@ class EagleProposer(Proposer):
         offset = 0
         for seq, start, n in entries:
             if seq.params.speculative:
-                chunks = [(p, t[:max(start - p, 0)]) for p, t in
-                          self._features.get(seq.request_id, []) if p < start]
+                rid = seq.request_id
+                chunks = self._features.setdefault(rid, [])
+                self._start.setdefault(rid, start)
+                # what a verification rejected (at start and after) is replaced
+                while chunks and chunks[-1][0] >= start:
+                    chunks.pop()
+                if chunks and chunks[-1][0] + len(chunks[-1][1]) > start:
+                    p, t = chunks[-1]
+                    chunks[-1] = (p, t[:start - p])
                 # a copy: a view would keep the whole step's tensor alive
                 chunks.append((start, hidden[offset:offset + n].clone()))
-                self._features[seq.request_id] = chunks
+                excess = self.waiting_rows(seq) - WAIT_ROWS
+                while excess > 0:  # the oldest go (their rows get zero features)
+                    p, t = chunks[0]
+                    if len(t) <= excess:
+                        chunks.pop(0)
+                        excess -= len(t)
+                    else:
+                        chunks[0] = (p + excess, t[excess:])
+                        excess = 0
             offset += n
 
     def _take_features(self, seq: Sequence, lo: int, hi: int) -> torch.Tensor:
@@ -109,20 +131,22 @@ class EagleProposer(Proposer):
         """The first position whose head row is due: after the computed ones, and never before
         the first position the target computed features for (a prefix-cache hit's shared
         blocks keep their rows)."""
-        lo = seq.num_draft_computed  # (the token at 0 has no feature before it: a zero one)
-        chunks = self._features.get(seq.request_id)
-        if chunks and chunks[0][0] + 1 > lo:
-            return chunks[0][0]
-        return lo
+        # (the token at 0 has no feature before it: a zero one)
+        return max(seq.num_draft_computed, self._start.get(seq.request_id, 0))
 
     def waiting_rows(self, seq: Sequence) -> int:
-        return sum(len(t) for _, t in self._features.get(seq.request_id, []))
+        """Rows of features kept for the sequence (its chunks are contiguous)."""
+        chunks = self._features.get(seq.request_id)
+        if not chunks:
+            return 0
+        return chunks[-1][0] + len(chunks[-1][1]) - chunks[0][0]
 
     def backlog(self, seq: Sequence) -> int:
         return seq.num_tokens - self._first_row(seq)
 
     def forget(self, seq: Sequence) -> None:
         self._features.pop(seq.request_id, None)
+        self._start.pop(seq.request_id, None)
         self._last.pop(seq.request_id, None)
 
     # -- head forwards ------------------------------------------------------------------------
@@ -170,22 +194,6 @@ class EagleProposer(Proposer):
         seq.num_draft_computed = hi
         self._last[seq.request_id] = (hi - 1, g[-1:])
         return _Rows(seq.block_table, seq.num_prompt_tokens, seq.token_ids[lo:hi], lo, g)
-
-    @torch.inference_mode()
-    def absorb(self, seqs: list[Sequence]) -> None:
-        """Run the head rows of sequences not drafting this step whose waiting features reached
-        ABSORB_ROWS (no logits), so features never pile up."""
-        due = [s for s in seqs if s.params.speculative and self.waiting_rows(s) >= ABSORB_ROWS
-               and self._absorbable(s) > self._first_row(s)]
-        if due:
-            self._forward([self._catch_up_rows(s, self._absorbable(s)) for s in due],
-                          keep_last=False)
-
-    def _absorbable(self, seq: Sequence) -> int:
-        """Head rows computable now, up to this position: each needs its token, the target's
-        feature before it and a slot (the blocks the sequence holds)."""
-        return min(seq.num_tokens, seq.num_computed_tokens + 1,
-                   len(seq.block_table) * self.block_manager.block_size)
 
     @torch.inference_mode()
     def execute(self, items: list[RunItem]) -> StepLogits:

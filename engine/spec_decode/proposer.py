@@ -68,7 +68,3 @@ class Proposer(ABC):
     def backlog(self, seq: Sequence) -> int:
         """Tokens the proposer must catch up on before it drafts for `seq`."""
         return seq.num_tokens - seq.num_draft_computed
-
-    def absorb(self, seqs: list[Sequence]) -> None:
-        """Sequences that draft nothing this step: a proposer that follows every sequence's
-        tokens (a head's KV) may catch up on them."""

@@ -259,15 +259,12 @@ class Speculator(NoSpeculation):
             self.suffix.maintain()  # a bounded share of evicted texts' index cleanup
         candidates = [s for s in running if s.params.speculative
                       and s.num_computed_tokens == s.num_tokens - 1]
-        drafting = self._draft(running, candidates, num_joining) if candidates else []
-        if self.proposer is not None:  # what the proposer must follow of the others
-            drafted = {id(s) for s in drafting}
-            self.proposer.absorb([s for s in running if id(s) not in drafted])
+        if candidates:
+            self._draft(running, candidates, num_joining)
 
     def _draft(self, running: list[Sequence], candidates: list[Sequence], num_joining: int
-               ) -> list[Sequence]:
-        """Propose the drafts of `candidates` the guard chooses; returns those the proposer
-        drafts for."""
+               ) -> None:
+        """Propose the drafts of `candidates` the guard chooses."""
         rooms = [self._room(s) for s in candidates]
         # (the class of the running batch: what the next step will most likely decode)
         mode = self.guard.mode(len(running))
@@ -300,7 +297,6 @@ class Speculator(NoSpeculation):
         if self.lookahead is not None and mode != "plain":  # (priced at the pass's size with
             # every other draft of the step in it)
             self._windows(running, [s for s, k in zip(candidates, choice.draft_ks) if not k])
-        return [s for s, _, _ in chosen]
 
     def _windows(self, running: list[Sequence], seqs: list[Sequence]) -> None:
         """Lookahead decoding's window rows after the free drafts (or none) of `seqs`, where
