@@ -85,15 +85,16 @@ bench-trees-eagle: install
 		--target qwen2.5-coder-1.5b-instruct --out $(SPECULATOR) --minutes 60 --concurrency 32
 	$(PY) bench/spec_methods.py --trees --speculator $(SPECULATOR)
 
-# Medusa heads against the EAGLE head, both trained once for 30 minutes on the same pipeline
-# and cached: plain, eagle, medusa chains and trees, hybrid with the heads.
+# Medusa heads against the EAGLE head, both trained once within 60 minutes on the same pipeline
+# (the same prompts, answers and budget as bench-eagle's head) and cached: plain, eagle, medusa
+# chains and trees, hybrid with the heads.
 MEDUSA ?= $(HOME)/.cache/specserve/speculators/qwen2.5-coder-1.5b-instruct-medusa
 bench-medusa: install
 	$(VENV)/bin/specserve models fetch qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct
-	test -f $(SPECULATOR)/config.json || $(VENV)/bin/specserve speculator train \
-		--target qwen2.5-coder-1.5b-instruct --out $(SPECULATOR) --minutes 30 --concurrency 32
+	test -f $(SPECULATOR)/config.json || $(PY) bench/eagle_training.py --head $(SPECULATOR) \
+		--minutes 60 --concurrency 32
 	test -f $(MEDUSA)/config.json || $(VENV)/bin/specserve speculator train --kind medusa \
-		--target qwen2.5-coder-1.5b-instruct --out $(MEDUSA) --minutes 30 --concurrency 32
+		--target qwen2.5-coder-1.5b-instruct --out $(MEDUSA) --minutes 60 --concurrency 32
 	$(PY) bench/spec_methods.py --speculator $(SPECULATOR) --medusa $(MEDUSA)
 
 # specserve (bf16, int4, int4 + speculation) against llama.cpp's server on the same GGUF files;

@@ -33,10 +33,13 @@ Each runs at concurrency 1 (one request at a time, the first `--c1-prompts` prom
 default, to fit the run in half an hour on 2 cores) and 8 (all 8 at once; repeated: one round
 of 8 after the other); plain and hybrid also chat at 16 (the 8 prompts twice). Every (method, workload,
 concurrency) starts with an empty suffix cache and an empty prefix cache, so no case is helped
-by an earlier case's text. Greedy identity: each method's token ids vs plain's.
+by an earlier case's text. Greedy identity: each method's token ids vs plain's. Every case also
+measures plain_control, a second plain engine, as if it were a method (an A/A test, off with
+`--no-control`): what its ratio to plain moves is this run's noise on a ratio (on a 2-core
+cloud machine, several percent at c=8).
 
     python bench/spec_methods.py [--quantization auto|int4|none] [--max-tokens 48]
-                                 [--c1-prompts 4] [--repeats 2] [--quick]
+                                 [--c1-prompts 4] [--repeats 2] [--quick] [--no-control]
                                  [--speculator DIR] [--trees] [--medusa DIR] [--lookahead]
 
 Prints a table, ends with a RESULT line, writes bench/results/spec_methods.md
@@ -70,6 +73,9 @@ from engine.models.quantize import apply_quantization  # noqa: E402
 from engine.spec_decode.suffix import SuffixCache  # noqa: E402
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
+# a second plain engine, measured like a method in every case (an A/A test): its ratio to
+# plain is what a ratio of this run moves without any difference between the engines
+CONTROL = "plain_control"
 METHODS = ("plain", "draft_model", "ngram", "suffix", "hybrid")
 # with --speculator: the draft head alone, and hybrid with the head as its model source
 EAGLE_METHODS = ("plain", "draft_model", "eagle", "hybrid_eagle")
@@ -138,7 +144,10 @@ def verify_costs(engine) -> str:
 def make_engine(method, target, draft, tok, k_max, draft_vocab_size, speculator=None,
                 trees=False, medusa=None):
     """trees: suffix and hybrid draft token trees (a "_chain" method: chains only); medusa:
-    Medusa heads for medusa and hybrid_medusa, whose trees are on unless "_chain"."""
+    Medusa heads for medusa and hybrid_medusa, whose trees are on unless "_chain"; CONTROL: a
+    second plain engine."""
+    if method == CONTROL:
+        method = "plain"
     chains = method.endswith("_chain")
     method = method.removesuffix("_chain")
     lookahead = None
@@ -360,6 +369,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=2,
                         help="rounds of every method per case, interleaved with plain")
     parser.add_argument("--quick", action="store_true", help="2 prompts, 24 tokens: a smoke run")
+    parser.add_argument("--no-control", dest="control", action="store_false",
+                        help=f"without {CONTROL}, the second plain engine (the A/A test)")
     parser.add_argument("--cases", default=None,
                         help="only these workload:concurrency pairs, e.g. chat:8,chat_t0.7:8 "
                              "(no RESULT line)")
@@ -419,6 +430,9 @@ def main() -> int:
     engines = {m: make_engine(m, target, draft, tok, args.k_max, args.draft_vocab_size,
                               args.speculator, args.trees, args.medusa) for m in methods_run}
     hybrid = methods_run[-1]
+    if args.control:
+        engines[CONTROL] = make_engine(CONTROL, target, draft, tok, args.k_max,
+                                       args.draft_vocab_size)
 
     def measure(method, name, c, rounds_c, params_c):
         engine = engines[method]
@@ -453,6 +467,7 @@ def main() -> int:
             else:
                 rounds_c, params_c = rounds, params
             methods = ("plain", hybrid) if c == 16 else methods_run
+            methods = (*methods, CONTROL) if args.control else methods
             # interleaved: plain, then every method, `repeats` times, and plain once more; a
             # method's ratio in a round is against the mean of the plain runs around it, so a
             # drift of this machine's speed during the case favours no side, and the spread of
@@ -500,6 +515,10 @@ def main() -> int:
     table = "\n".join([header, "|" + "---|" * 11] + [
         f"| {m} | {w} | {c} | {t} | {s:.1f} | {r:.2f} | {x:.2f} | {sp} | {same} | {acc} | "
         f"{upd} |" for m, w, c, t, s, r, x, sp, same, acc, upd in rows])
+    control = {(w, c): rates.pop((m, w, c)) / rates["plain", w, c]
+               for (m, w, c) in list(rates) if m == CONTROL}
+    noise = (f" control_vs_plain_min={min(control.values()):.2f} "
+             f"control_vs_plain_max={max(control.values()):.2f}" if control else "")
     worst = min(rates[hybrid, w, c] / rates["plain", w, c] for (m, w, c) in rates
                 if m == hybrid)
     # the never-slower promise: every method, every case
@@ -513,14 +532,20 @@ def main() -> int:
                f"x plain is the method's tokens over its seconds in all rounds against "
                f"plain's, and per round against the mean of the plain runs before and after "
                f"it (the spread is the noise of the ratio)"]
+    if control:
+        details.append(f"{CONTROL}: a second plain engine (same model, same settings) measured "
+                       f"as a method in every case, an A/A test: its ratio to plain, "
+                       f"{min(control.values()):.2f}-{max(control.values()):.2f} over the cases "
+                       f"(control_vs_plain_min/max), is what a ratio of this run moves with no "
+                       f"difference between the engines; worst_*_vs_plain leave it out")
     if only is not None:
         print(table)
-        print(f"worst hybrid / plain over these cases: {worst:.2f}")
-        summary = f"worst_hybrid_vs_plain={worst:.2f} (these cases only)"
+        print(f"worst hybrid / plain over these cases: {worst:.2f}{noise}")
+        summary = f"worst_hybrid_vs_plain={worst:.2f}{noise} (these cases only)"
         if args.trees:
             details.append(f"token trees of at most {TREE_NODES} nodes; the target pass's "
                            f"measured cost by rows: {verify_costs(engines[methods_run[-1]])}")
-            summary = tree_result(rates, accept_len) + " (these cases only)"
+            summary = tree_result(rates, accept_len) + noise + " (these cases only)"
             print("trees over these cases: " + summary)
         if args.out != default_out:
             write_results(args.out, f"Speculation methods, cases {args.cases}",
@@ -559,6 +584,7 @@ def main() -> int:
                   f"repeated_hybrid={rates['hybrid', 'repeated', 1] / rates['plain', 'repeated', 1]:.2f} "
                   f"chat_hybrid_vs_draft={rates['hybrid', 'chat', 1] / rates['draft_model', 'chat', 1]:.2f} "
                   f"worst_hybrid_vs_plain={worst:.2f} worst_any_vs_plain={worst_any:.2f}")
+    result += noise
     print(table)
     print(result)
     not_same = {k: v for k, v in identical.items() if v.split("/")[0] != v.split("/")[1]}
