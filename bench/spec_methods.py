@@ -425,6 +425,7 @@ def main() -> int:
     rates: dict[tuple[str, str, int], float] = {}
     # (engine's method, proposing method, workload, concurrency) -> tokens per verification
     accept_len: dict[tuple[str, str, str, int], float] = {}
+    accept_sums: dict[tuple[str, str, str, int], list[int]] = {}  # verifications, accepted
     rows, plain_out, identical = [], {}, {}
     c1 = 2 if args.quick else args.c1_prompts
     engines = {m: make_engine(m, target, draft, tok, args.k_max, args.draft_vocab_size,
@@ -443,9 +444,11 @@ def main() -> int:
         outs, tokens, seconds = run(engine, rounds_c, params_c, min(c, n * 2))
         for m, v in (st.by_method.items() if st else []):
             done = v[0] - verifications.get(m, 0)
-            if done:  # tokens per verification of this method's drafts
+            if done:  # tokens per verification of this method's drafts, over every round
                 b = before.get(m, [0, 0, 0])
-                accept_len[method, m, name, c] = 1.0 + (v[2] - b[2]) / done
+                sums = accept_sums.setdefault((method, m, name, c), [0, 0])
+                sums[0], sums[1] = sums[0] + done, sums[1] + v[2] - b[2]
+                accept_len[method, m, name, c] = 1.0 + sums[1] / sums[0]
         by = {}
         for m, (_, d, a) in (st.by_method.items() if st else []):
             b = before.get(m, [0, 0, 0])
