@@ -201,14 +201,33 @@ def test_a_sequence_left_plain_runs_no_head_row_and_keeps_few_features(trained, 
         for out in engine.step():
             if out.finished:
                 outputs[out.request_id] = out
-        if plain_steps[0] >= 0:
-            waiting.append(max(proposer.waiting_rows(s) for s in engine.scheduler.running))
+        decoding = [s for s in engine.scheduler.running if s.num_output_tokens > 1]
+        if plain_steps[0] >= 0 and decoding:
+            waiting.append(max(proposer.waiting_rows(s) for s in decoding))
     assert [outputs[i].output_token_ids for i in ids] == [o.output_token_ids for o in plain]
     assert forwards and all(f < 0 for f in forwards)  # none in a plain step
     assert max(waiting) == 8
     assert proposer.rows_without_features >= len(prompts) * 10
     assert speculator.stats.num_accepted_tokens > 0
     assert engine.speculator.num_states == 0
+
+
+def test_a_prompt_longer_than_the_wait_keeps_every_feature_for_its_first_proposal(
+        trained, monkeypatch):
+    """The cap on waiting features is for sequences the guard leaves plain while decoding: a
+    prompt's rows all get their features at its first proposal, however long it is."""
+    from engine.spec_decode import eagle_proposer
+
+    monkeypatch.setattr(eagle_proposer, "WAIT_ROWS", 8)
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    engine = make_engine(tiny_target(), "eagle", speculator=trained[0], k_max=4,
+                         max_num_batched_tokens=16)  # prompts in chunks of 16
+    prompts = held_out_prompts()
+    assert min(len(p) for p in prompts) > 16
+    plain = make_engine(tiny_target()).generate(prompts, greedy)
+    out = engine.generate(prompts, greedy)
+    assert [o.output_token_ids for o in out] == [o.output_token_ids for o in plain]
+    assert engine.speculator.proposer.rows_without_features == 0
 
 
 def test_eagle_sampled_output_keeps_the_target_distribution(tmp_path):

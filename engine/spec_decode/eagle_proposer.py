@@ -24,8 +24,9 @@ feature before it and is computed from its token with a zero feature (`rows_with
 counts such rows). The output stays exact whatever the head's rows hold. Sequences that do not
 draft run no head row: their rows wait, like a draft model's catch-up, until the guard drafts
 for them again (it prices the catch-up, engine/spec_decode/guard.py). Their features wait with
-them, at most WAIT_ROWS per sequence (the newest): a row whose feature was dropped is computed
-from its token with a zero feature, as after a prefix-cache hit (`rows_without_features`).
+them: a prompt's all until its first proposal, then at most WAIT_ROWS per sequence (the newest):
+a row whose feature was dropped is computed from its token with a zero feature, as after a
+prefix-cache hit (`rows_without_features`).
 """
 
 from __future__ import annotations
@@ -98,7 +99,10 @@ class EagleProposer(Proposer):
                     chunks[-1] = (p, t[:start - p])
                 # a copy: a view would keep the whole step's tensor alive
                 chunks.append((start, hidden[offset:offset + n].clone()))
-                excess = self.waiting_rows(seq) - WAIT_ROWS
+                # (a prompt's rows all wait for its first proposal; a decoding sequence the
+                # guard leaves plain keeps its newest WAIT_ROWS)
+                excess = (self.waiting_rows(seq) - WAIT_ROWS
+                          if start >= seq.num_prompt_tokens else 0)
                 while excess > 0:  # the oldest go (their rows get zero features)
                     p, t = chunks[0]
                     if len(t) <= excess:
