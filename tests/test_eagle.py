@@ -168,17 +168,21 @@ def test_eagle_stays_exact_with_preemption_and_after_prefix_cache_hits(trained, 
     assert 0 < engine.speculator.proposer.rows_without_features <= 2 * 6
 
 
-def test_a_sequence_left_plain_runs_no_head_row_and_keeps_few_features(trained, monkeypatch):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_sequence_left_plain_runs_no_head_row_and_keeps_few_features(trained, monkeypatch,
+                                                                       dtype):
     """While the guard runs plain steps the head runs nothing and each sequence keeps only its
     newest WAIT_ROWS features; when drafting resumes the head catches up (the dropped rows
-    with zero features) and the output is plain decoding's."""
+    with zero features) and the output, greedy and seeded, is plain decoding's."""
     from engine.spec_decode import eagle_proposer
 
     monkeypatch.setattr(eagle_proposer, "WAIT_ROWS", 8)
     prompts = held_out_prompts()
-    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    plain = make_engine(tiny_target()).generate(prompts, greedy)
-    engine = make_engine(tiny_target(), "eagle", speculator=trained[0], k_max=4)
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=11, max_tokens=40, ignore_eos=True)] * 2
+    target = tiny_target().to(getattr(torch, dtype))
+    plain = make_engine(target, dtype=dtype).generate(prompts, params)
+    engine = make_engine(target, "eagle", speculator=trained[0], k_max=4, dtype=dtype)
     speculator, proposer = engine.speculator, engine.speculator.proposer
     plain_steps, forwards, waiting = [20], [], []
     mode = speculator.guard.mode
@@ -195,7 +199,7 @@ def test_a_sequence_left_plain_runs_no_head_row_and_keeps_few_features(trained, 
 
     monkeypatch.setattr(speculator.guard, "mode", guarded)
     monkeypatch.setattr(proposer, "_forward", counted)
-    ids = [engine.add_request(p, greedy) for p in prompts]
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
     outputs = {}
     while engine.has_unfinished():
         for out in engine.step():
