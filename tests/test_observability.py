@@ -278,12 +278,13 @@ class _Upstream:
                 status = upstream.status
                 time.sleep(upstream.delay)
                 body = json.dumps({"status": status}).encode()
+                # recorded before the answer leaves: a client that has its response can read it
+                upstream.answers.append(status)
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
-                upstream.answers.append(status)
 
             def log_message(self, *args):
                 pass
