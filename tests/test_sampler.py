@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 
 from engine.sample import sampler
@@ -136,6 +137,23 @@ def test_keyed_uniforms_are_the_keys_streams():
     assert torch.equal(alone[0], u[2])  # a row's draws do not depend on the other rows
 
 
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 5003, 151_936])
+def test_keyed_uniforms_of_the_cpu_kernel_are_the_torch_ops_bits(monkeypatch, n):
+    """The C++ loop (csrc/fused_ops.cpp) and the torch ops compute the same bits: every
+    column (the vector body and the scalar tail), every row of a batch the kernel splits
+    across threads."""
+    from engine.kernels import fused
+    if isinstance(fused.kernel(), str):
+        pytest.skip(f"no fused CPU kernels: {fused.kernel()}")
+    keys = [0, 1, (1 << 63) - 1] + [noise_key(s, p, 2) for s in range(5) for p in range(7)]
+    kernel = sampler.keyed_uniforms(keys, n, torch.device("cpu"))
+    monkeypatch.setattr(fused, "ENABLED", False)
+    ops = sampler.keyed_uniforms(keys, n, torch.device("cpu"))
+    assert kernel.shape == ops.shape == (len(keys), n)
+    assert torch.equal(kernel, ops)
+    assert kernel[:, -1].tolist() == [stream_uniform(k, n - 1) for k in keys]
+
+
 def test_keyed_noise_is_uniform_then_exponential():
     """The streams are U(0, 1) (Kolmogorov-Smirnov) and a keyed row's noise is Exp(1):
     -log of them, the same draws whether the batch has unkeyed rows or not."""
@@ -180,8 +198,6 @@ def test_logprobs_are_raw_model_logprobs():
 
 def test_the_cuda_kernel_of_keyed_uniforms_has_the_torch_path_s_bits():
     """kernels/keyed_noise.py (what CUDA runs), here through Triton's interpreter."""
-    import pytest
-
     from engine.kernels import keyed_noise
 
     if not keyed_noise.available():

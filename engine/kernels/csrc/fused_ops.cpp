@@ -201,6 +201,64 @@ void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t head
   });
 }
 
+// The keyed uniforms of seeded sampling (engine/sample/keys.py stream_uniform): row r, column
+// j is draw j + 1 of the SplitMix64 stream that starts at keys[r], x = keys[r] + (j + 1) gamma
+// (mod 2^64) through the finalizer, its top 23 bits + 1/2 over 2^23. Integer arithmetic and
+// one exact float conversion, so the bits equal the torch and Triton versions' everywhere.
+constexpr uint64_t kGamma = 0x9E3779B97F4A7C15ull, kMix1 = 0xBF58476D1CE4E5B9ull,
+                   kMix2 = 0x94D049BB133111EBull;
+constexpr int kUniformBits = 23;
+
+inline float keyed_uniform(uint64_t x) {
+  x ^= x >> 30;
+  x *= kMix1;
+  x ^= x >> 27;
+  x *= kMix2;
+  x ^= x >> 31;
+  return (static_cast<float>(static_cast<int32_t>(x >> (64 - kUniformBits))) + 0.5f) *
+         (1.f / static_cast<float>(1 << kUniformBits));
+}
+
+inline __m256 keyed_uniform8(__m512i x) {
+  x = _mm512_xor_si512(x, _mm512_srli_epi64(x, 30));
+  x = _mm512_mullo_epi64(x, _mm512_set1_epi64(static_cast<int64_t>(kMix1)));
+  x = _mm512_xor_si512(x, _mm512_srli_epi64(x, 27));
+  x = _mm512_mullo_epi64(x, _mm512_set1_epi64(static_cast<int64_t>(kMix2)));
+  x = _mm512_xor_si512(x, _mm512_srli_epi64(x, 31));
+  const __m256 top = _mm512_cvtepi64_ps(_mm512_srli_epi64(x, 64 - kUniformBits));
+  return _mm256_mul_ps(_mm256_add_ps(top, _mm256_set1_ps(0.5f)),
+                       _mm256_set1_ps(1.f / static_cast<float>(1 << kUniformBits)));
+}
+
+void keyed_row(uint64_t key, float* out, int64_t n) {
+  // lanes j .. j + 7 hold key + (j + 1 + lane) gamma
+  __m512i x = _mm512_add_epi64(
+      _mm512_set1_epi64(static_cast<int64_t>(key)),
+      _mm512_mullo_epi64(_mm512_set_epi64(8, 7, 6, 5, 4, 3, 2, 1),
+                         _mm512_set1_epi64(static_cast<int64_t>(kGamma))));
+  const __m512i step = _mm512_set1_epi64(static_cast<int64_t>(8 * kGamma));
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    _mm256_storeu_ps(out + j, keyed_uniform8(x));
+    x = _mm512_add_epi64(x, step);
+  }
+  for (; j < n; ++j) out[j] = keyed_uniform(key + static_cast<uint64_t>(j + 1) * kGamma);
+}
+
+// keys [R] int64 (the bit patterns of the streams' states) -> [R, n] float32.
+torch::Tensor keyed_uniforms(torch::Tensor keys, int64_t n) {
+  TORCH_CHECK(keys.device().is_cpu() && keys.dim() == 1 && keys.is_contiguous() &&
+                  keys.scalar_type() == torch::kInt64,
+              "keys: a contiguous int64 vector on the CPU");
+  TORCH_CHECK(n >= 0, "n: at least 0");
+  const int64_t R = keys.size(0);
+  auto out = torch::empty({R, n}, keys.options().dtype(torch::kFloat32));
+  const int64_t* kp = keys.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  rows_of(R, n, [&](int64_t r) { keyed_row(static_cast<uint64_t>(kp[r]), op + r * n, n); });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm per row (AVX-512)",
         pybind11::call_guard<pybind11::gil_scoped_release>());
@@ -209,6 +267,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "SiLU(gate) x up per row (AVX-512)",
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("rotary_", &rotary_, "rotary embedding in place per row (AVX-512)",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("keyed_uniforms", &keyed_uniforms, "seeded sampling's keyed uniforms (AVX-512)",
         pybind11::call_guard<pybind11::gil_scoped_release>());
   // the functions' addresses, for decode_layers.cpp's loop (the same code, hence the same bits)
   m.attr("rms_norm_address") = reinterpret_cast<uintptr_t>(&rms_norm);
