@@ -234,6 +234,33 @@ def test_a_prompt_longer_than_the_wait_keeps_every_feature_for_its_first_proposa
     assert engine.speculator.proposer.rows_without_features == 0
 
 
+def test_a_prompt_keeps_at_most_prompt_wait_rows_features(trained, monkeypatch):
+    """A long prompt's waiting features are bounded too (PROMPT_WAIT_ROWS): its oldest rows
+    are computed with zero features at its first proposal, and the output is plain's."""
+    from engine.spec_decode import eagle_proposer
+
+    monkeypatch.setattr(eagle_proposer, "PROMPT_WAIT_ROWS", 16)
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    engine = make_engine(tiny_target(), "eagle", speculator=trained[0], k_max=4,
+                         max_num_batched_tokens=8)  # prompts in chunks of 8
+    proposer = engine.speculator.proposer
+    kept, keep = [], proposer.keep_features
+
+    def keep_and_count(entries, hidden):
+        keep(entries, hidden)
+        kept.extend(proposer.waiting_rows(seq) for seq, _, _ in entries)
+
+    monkeypatch.setattr(proposer, "keep_features", keep_and_count)
+    prompts = held_out_prompts()
+    assert min(len(p) for p in prompts) > 16
+    plain = make_engine(tiny_target()).generate(prompts, greedy)
+    out = engine.generate(prompts, greedy)
+    assert [o.output_token_ids for o in out] == [o.output_token_ids for o in plain]
+    assert max(kept) == 16
+    assert proposer.rows_without_features > 0  # the prompts' oldest rows
+    assert engine.speculator.stats.num_accepted_tokens > 0
+
+
 def test_eagle_sampled_output_keeps_the_target_distribution(tmp_path):
     """Rejection sampling of the head's drafts: chains sampled from q (with trees on: a
     request verified by rejection drafts a chain)."""

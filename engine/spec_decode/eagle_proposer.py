@@ -18,15 +18,18 @@ target's vocabulary (-inf outside the draft vocabulary, so q = 0 there and the r
 sampler stays exact), as the draft model's are.
 
 A prefix-cache hit: the target computes no feature for the cached positions, and their blocks
-are shared, so the head keeps the rows those blocks hold (written by the request that cached
-them, from the same tokens) and never writes there; its first row after the hit lacks the
-feature before it and is computed from its token with a zero feature (`rows_without_features`
-counts such rows). The output stays exact whatever the head's rows hold. Sequences that do not
-draft run no head row: their rows wait, like a draft model's catch-up, until the guard drafts
-for them again (it prices the catch-up, engine/spec_decode/guard.py). Their features wait with
-them: a prompt's all until its first proposal, then at most WAIT_ROWS per sequence (the newest):
-a row whose feature was dropped is computed from its token with a zero feature, as after a
-prefix-cache hit (`rows_without_features`).
+are shared, so the head keeps the rows those blocks hold and never writes there; its first row
+after the hit lacks the feature before it and is computed from its token with a zero feature
+(`rows_without_features` counts such rows). The output stays exact whatever the head's rows
+hold. Sequences that do not draft run no head row: their rows wait, like a draft model's
+catch-up, until the guard drafts for them again (it prices the catch-up,
+engine/spec_decode/guard.py). Their features wait with them: a prompt's until its first
+proposal (PROMPT_WAIT_ROWS at most), then at most WAIT_ROWS per sequence (the newest): a row
+whose feature was dropped is computed from its token with a zero feature, as after a
+prefix-cache hit (`rows_without_features`). So the head rows a cached block holds are those of
+the request that cached it only where that request drafted up to there (a block it filled while
+left plain holds whatever the head last wrote into it): a prefix-cache hit on such a block gives
+the head a poorer context, and fewer accepted drafts, never a different output.
 """
 
 from __future__ import annotations
@@ -49,6 +52,18 @@ from engine.spec_decode.proposer import Proposal, Proposer
 # a sequence not drafting keeps the features of its newest this many rows (the 1.5B target's
 # three captured layers: 9 KiB a row in bf16, 2.3 MiB a sequence); its head rows wait with them
 WAIT_ROWS = 256
+# a prompt's rows wait for its first proposal up to this many (36 MiB for the 1.5B target):
+# a longer prompt's oldest rows are computed with zero features, as after a prefix-cache hit
+PROMPT_WAIT_ROWS = 4096
+
+
+def _compact(rows: torch.Tensor) -> torch.Tensor:
+    """`rows` (a view of kept features), copied once it holds less than half of the storage
+    it views: a long prompt's chunk trimmed to its newest rows must not keep the whole alive
+    (a copy at each halving: the copies of a trimmed chunk cost about its size once)."""
+    if 2 * rows.nbytes < rows.untyped_storage().nbytes():
+        return rows.clone()
+    return rows
 
 
 class EagleProposer(Proposer):
@@ -96,20 +111,20 @@ class EagleProposer(Proposer):
                     chunks.pop()
                 if chunks and chunks[-1][0] + len(chunks[-1][1]) > start:
                     p, t = chunks[-1]
-                    chunks[-1] = (p, t[:start - p])
+                    chunks[-1] = (p, _compact(t[:start - p]))
                 # a copy: a view would keep the whole step's tensor alive
                 chunks.append((start, hidden[offset:offset + n].clone()))
-                # (a prompt's rows all wait for its first proposal; a decoding sequence the
-                # guard leaves plain keeps its newest WAIT_ROWS)
-                excess = (self.waiting_rows(seq) - WAIT_ROWS
-                          if start >= seq.num_prompt_tokens else 0)
+                # (a prompt's rows wait for its first proposal, PROMPT_WAIT_ROWS at most; a
+                # decoding sequence the guard leaves plain keeps its newest WAIT_ROWS)
+                excess = self.waiting_rows(seq) - (
+                    WAIT_ROWS if start >= seq.num_prompt_tokens else PROMPT_WAIT_ROWS)
                 while excess > 0:  # the oldest go (their rows get zero features)
                     p, t = chunks[0]
                     if len(t) <= excess:
                         chunks.pop(0)
                         excess -= len(t)
                     else:
-                        chunks[0] = (p + excess, t[excess:])
+                        chunks[0] = (p + excess, _compact(t[excess:]))
                         excess = 0
             offset += n
 
@@ -126,7 +141,7 @@ class EagleProposer(Proposer):
                 out[a - lo:b - lo] = t[a - p:b - p]
                 missing -= b - a
             if p + len(t) > hi:
-                kept.append((max(p, hi), t[max(hi - p, 0):]))
+                kept.append((max(p, hi), _compact(t[max(hi - p, 0):])))
         self._features[seq.request_id] = kept
         self.rows_without_features += missing
         return out
