@@ -139,12 +139,12 @@ def test_greedy_and_seeded_with_trees_equal_plain_batched(method, num_blocks):
 TOKENS, TREE = [2, 4, 1, 3, 5], [-1, -1, 0, 0, 1]  # root: 2, 4; under 2: 1, 3; under 4: 5
 
 
-def _verify(n, probs, by_pick=False, keys=None, generator=None, picks=None):
+def _verify(n, probs, by_pick=False, keys=None, generator=None, picks=None, tokens=TOKENS):
     """n copies of TREE over `probs` ([1 + nodes, V] rows: the root's, then each node's)."""
     from engine.sample.rejection_sampler import TreeOwners, tree_verify
 
     rows = len(TREE) + 1
-    ids = torch.tensor(TOKENS * n)
+    ids = torch.tensor(tokens * n)
     target = probs.repeat(n, 1)
     picks = target.argmax(dim=-1) if picks is None else picks.repeat(n)
     trees = TreeOwners([i * rows for i in range(n)], [i * len(TREE) for i in range(n)],
@@ -166,16 +166,18 @@ def test_tree_by_pick_follows_the_targets_picks_to_any_branch():
     assert out.tolist() == [[7, PLACEHOLDER, PLACEHOLDER]] and node.tolist() == [-1]
 
 
-def test_tree_rejection_sampling_keeps_the_targets_distribution():
+@pytest.mark.parametrize("tokens", [TOKENS, TOKENS[:-1] + [0]])
+def test_tree_rejection_sampling_keeps_the_targets_distribution(tokens):
     """Every emitted position has the target's distribution given the tokens before it:
     the first token ~ p(root), the second after 2 ~ p(node 0), after 4 ~ p(node 1), the third
-    after 2, 1 ~ p(node 2); chi-square goodness of fit over 40,000 draws."""
+    after 2, 1 ~ p(node 2); chi-square goodness of fit over 40,000 draws. Second case: node 1's
+    one child (fewer than the root's two: padded) is token 0, the padding's own index."""
     from scipy import stats
 
     g = torch.Generator().manual_seed(0)
     probs = torch.softmax(torch.randn(6, 8, generator=g) * 1.5, dim=-1)
     n = 40000
-    out, _ = _verify(n, probs, generator=torch.Generator().manual_seed(1))
+    out, _ = _verify(n, probs, generator=torch.Generator().manual_seed(1), tokens=tokens)
     out = out.numpy()
 
     def check(draws, p):

@@ -239,7 +239,9 @@ class TreeOwners(NamedTuple):
     (its last committed token's; node j's row follows at + 1 + j), its drafts' offset in the
     flat draft ids, its parents (engine/batch.py `Drafts.parents`), whether it is verified by
     pick, and the noise keys of its rows (root, then each node; a seeded sequence verified by
-    rejection) or None. A tree's drafts are one-hot (q(x) = 1 at the draft: suffix matches)."""
+    rejection) or None. A tree's drafts are one-hot (q(x) = 1 at the draft: suffix matches),
+    and a node's children carry distinct tokens (by rejection, a repeated one would be tried
+    again after its rejection: every proposer dedupes its siblings)."""
 
     first_rows: list[int]
     draft_offsets: list[int]
@@ -399,9 +401,10 @@ def _tree_final(probs: torch.Tensor, end_rows: torch.Tensor, g: _TreeGrid, best:
     p = probs[end_rows].float()  # [T, V]
     rows = torch.arange(p.shape[0], device=device)
     kids = g.children[rows, best]  # [T, W] sentinel-padded
-    tokens = torch.cat([ids, ids.new_zeros(1)])[kids]
-    residual = p.scatter(1, tokens, torch.where(kids < len(g.tree_of), 0.0,
-                                                p.gather(1, tokens)))
+    tokens = torch.cat([ids, ids.new_zeros(1)])[kids]  # (the sentinel's: token 0, not a child)
+    # a mask summed over the children: a padding entry must never restore a real child's token
+    drop = torch.zeros_like(p).scatter_add_(1, tokens, (kids < len(g.tree_of)).to(p.dtype))
+    residual = p.masked_fill(drop > 0, 0.0)
     usable = residual.sum(dim=-1) > 0  # zero only where p sat on the children (probability 0)
     dist = torch.where(usable[:, None], residual, p)
     noise = torch.empty_like(dist).exponential_(generator=default)
