@@ -58,10 +58,12 @@ PROMPT_WAIT_ROWS = 4096
 
 
 def _compact(rows: torch.Tensor) -> torch.Tensor:
-    """`rows` (a view of kept features), copied once it holds less than half of the storage
-    it views: a long prompt's chunk trimmed to its newest rows must not keep the whole alive
-    (a copy at each halving: the copies of a trimmed chunk cost about its size once)."""
-    if 2 * rows.nbytes < rows.untyped_storage().nbytes():
+    """`rows` (a view of kept features), copied once it holds less than half of a storage of
+    more than WAIT_ROWS rows: a long prompt's chunk trimmed to its newest rows must not keep
+    the whole alive (a copy at each halving), while a decode step's few rows, trimmed after
+    most verifications, are left as they are (their storage is small)."""
+    storage = rows.untyped_storage().nbytes()
+    if storage > max(2 * rows.nbytes, WAIT_ROWS * rows.shape[-1] * rows.element_size()):
         return rows.clone()
     return rows
 
