@@ -5,7 +5,7 @@ STAMP := $(VENV)/.specserve-installed
 PYTEST_ARGS ?=
 
 .PHONY: install test serve bench-engine bench-spec bench-methods bench-trees bench-predicted \
-	bench-eagle bench-traffic bench-trees-eagle bench-medusa bench-lookahead bench-server bench-tp bench-llamacpp wheelhouse gpu-check image-check clean
+	bench-eagle bench-traffic bench-trees-eagle bench-medusa bench-variants bench-lookahead bench-server bench-tp bench-llamacpp wheelhouse gpu-check image-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -96,6 +96,19 @@ bench-medusa: install
 	test -f $(MEDUSA)/config.json || $(VENV)/bin/specserve speculator train --kind medusa \
 		--target qwen2.5-coder-1.5b-instruct --out $(MEDUSA) --minutes 60 --concurrency 32
 	$(PY) bench/spec_methods.py --speculator $(SPECULATOR) --medusa $(MEDUSA)
+
+# Both variants (Medusa with the heads above, Lookahead) in one run beside plain and the EAGLE
+# head; QUANT=none runs the bf16 target (default: int4, as make serve).
+QUANT ?= auto
+bench-variants: install
+	$(VENV)/bin/specserve models fetch qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct
+	test -f $(SPECULATOR)/config.json || $(PY) bench/eagle_training.py --head $(SPECULATOR) \
+		--minutes 60 --concurrency 32
+	test -f $(MEDUSA)/config.json || $(VENV)/bin/specserve speculator train --kind medusa \
+		--target qwen2.5-coder-1.5b-instruct --out $(MEDUSA) --minutes 60 --concurrency 32
+	$(PY) bench/spec_methods.py --speculator $(SPECULATOR) --medusa $(MEDUSA) --lookahead \
+		--quantization $(QUANT) $(if $(filter none,$(QUANT)),--repeats 1 \
+		--out bench/results/spec_methods_medusa_lookahead_bf16.md)
 
 # specserve (bf16, int4, int4 + speculation) against llama.cpp's server on the same GGUF files;
 # builds llama-server once from the llama-cpp-python source package, native to this CPU

@@ -16,7 +16,10 @@ tree), the heads' cost against the target's, a medusa RESULT line. With `--looka
 (`make bench-lookahead`): lookahead decoding: plain, suffix, lookahead_pool (the n-gram pool
 alone: window 0), lookahead (pool and window rows where the guard prices them as paying),
 lookahead_unguarded (window rows every step, k not adaptive) and hybrid_lookahead (the draft
-model, suffix matches and the pool with its window), a lookahead RESULT line.
+model, suffix matches and the pool with its window), a lookahead RESULT line. With both
+`--medusa DIR --speculator DIR --lookahead` (`make bench-variants`): the two variants in one
+run: plain, eagle, medusa_chain, medusa, hybrid_medusa, lookahead and hybrid_lookahead, with
+the RESULT line of both.
 Target and draft as `make serve` serves them by default (`--quantization auto`: int4 on the
 CPU from the GGUF's blocks; the draft int4 with a 32,768-token vocabulary);
 `--quantization none` runs the bf16 target. Greedy unless stated.
@@ -45,7 +48,8 @@ cloud machine, several percent at c=8).
 Prints a table, ends with a RESULT line, writes bench/results/spec_methods.md
 (spec_methods_eagle.md with --speculator, spec_methods_trees.md with --trees,
 spec_methods_trees_eagle.md with both, spec_methods_medusa.md with --medusa,
-spec_methods_lookahead.md with --lookahead).
+spec_methods_lookahead.md with --lookahead, spec_methods_medusa_lookahead.md with --medusa
+and --lookahead).
 """
 
 from __future__ import annotations
@@ -92,6 +96,11 @@ MEDUSA_METHODS = ("plain", "eagle", "medusa_chain", "medusa", "hybrid_medusa")
 # prices it as paying, with its window always, and inside hybrid
 LOOKAHEAD_METHODS = ("plain", "suffix", "lookahead_pool", "lookahead", "lookahead_unguarded",
                      "hybrid_lookahead")
+# with --medusa and --lookahead together: the issue's one run of both variants beside plain and
+# the EAGLE head (the guarded lookahead and hybrid with its pool; the window's unguarded cost is
+# --lookahead's alone)
+BOTH_METHODS = ("plain", "eagle", "medusa_chain", "medusa", "hybrid_medusa", "lookahead",
+                "hybrid_lookahead")
 TREE_NODES = 16
 
 
@@ -254,7 +263,8 @@ def lookahead_details(engines) -> str:
     """The pool's settings, what the window's rows brought (tokens of window-only n-grams per
     lookahead row, over the whole run) guarded and unguarded, and the guard's price of them."""
     parts = []
-    for method in ("lookahead", "lookahead_unguarded", "hybrid_lookahead"):
+    for method in [m for m in ("lookahead", "lookahead_unguarded", "hybrid_lookahead")
+                   if m in engines]:
         pool = engines[method].speculator.lookahead
         parts.append(f"{method}: {pool.window_rows} window rows run, {pool.window_tokens} "
                      f"accepted tokens from window-only n-grams "
@@ -286,6 +296,26 @@ def lookahead_result(rates, worst_any) -> str:
             f"hybrid_lookahead_code_edit={x('hybrid_lookahead', 'code_edit'):.2f} "
             f"lookahead_code_edit_c8_vs_plain={x('lookahead', 'code_edit', 8):.2f} "
             f"worst_vs_plain={guarded:.2f} worst_unguarded_vs_plain={worst_any:.2f}")
+
+
+def both_result(rates, accept_len, engines, worst_any) -> str:
+    """The medusa and lookahead RESULT of one run with both: each against plain on chat and
+    code_edit at c=1, medusa against the EAGLE head, and the worst of every method and case."""
+    def x(a, b="plain", w="chat"):
+        return rates[a, w, 1] / rates[b, w, 1]
+
+    heads, target = medusa_vs_target_cost(engines["medusa"])
+    return (f"RESULT medusa_chat_vs_plain={x('medusa'):.2f} "
+            f"medusa_vs_eagle_chat={x('medusa', 'eagle'):.2f} "
+            f"lookahead_code_edit_vs_plain={x('lookahead', w='code_edit'):.2f} "
+            f"lookahead_chat_vs_plain={x('lookahead'):.2f} "
+            f"medusa_code_edit_vs_plain={x('medusa', w='code_edit'):.2f} "
+            f"medusa_tree_vs_chain_chat={x('medusa', 'medusa_chain'):.2f} "
+            f"hybrid_medusa_code_edit={x('hybrid_medusa', w='code_edit'):.2f} "
+            f"hybrid_lookahead_code_edit={x('hybrid_lookahead', w='code_edit'):.2f} "
+            f"medusa_accept_len={accept_len.get(('medusa', 'medusa', 'chat', 1), 0):.2f} "
+            f"eagle_accept_len={accept_len.get(('eagle', 'eagle', 'chat', 1), 0):.2f} "
+            f"medusa_heads_cost={heads / target:.3f} worst_vs_plain={worst_any:.2f}")
 
 
 def describe_head(path) -> str:
@@ -395,13 +425,15 @@ def main() -> int:
     if args.medusa and not args.speculator:
         parser.error("--medusa needs --speculator (the EAGLE head it is compared with)")
     default_out = str(ROOT / "bench/results" / (
-        "spec_methods_medusa.md" if args.medusa
+        "spec_methods_medusa_lookahead.md" if args.medusa and args.lookahead
+        else "spec_methods_medusa.md" if args.medusa
         else "spec_methods_lookahead.md" if args.lookahead
         else "spec_methods_trees_eagle.md" if args.speculator and args.trees
         else "spec_methods_eagle.md" if args.speculator
         else "spec_methods_trees.md" if args.trees else "spec_methods.md"))
     args.out = args.out or default_out
-    methods_run = (MEDUSA_METHODS if args.medusa else LOOKAHEAD_METHODS if args.lookahead
+    methods_run = (BOTH_METHODS if args.medusa and args.lookahead
+                   else MEDUSA_METHODS if args.medusa else LOOKAHEAD_METHODS if args.lookahead
                    else TREE_EAGLE_METHODS if args.speculator and args.trees
                    else EAGLE_METHODS if args.speculator else TREE_METHODS if args.trees
                    else METHODS)
@@ -554,7 +586,10 @@ def main() -> int:
             write_results(args.out, f"Speculation methods, cases {args.cases}",
                           torch.get_num_threads(), details, table, summary)
         return 0
-    if args.medusa:
+    if args.medusa and args.lookahead:
+        details += [medusa_details(args, engines), lookahead_details(engines)]
+        result = both_result(rates, accept_len, engines, worst_any)
+    elif args.medusa:
         details.append(medusa_details(args, engines))
         result = medusa_result(rates, accept_len, engines, worst_any)
     elif args.lookahead:
