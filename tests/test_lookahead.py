@@ -2,6 +2,8 @@
 exact serving alone and in hybrid, the lookahead rows blind to the verification branch, bad
 configs."""
 
+import math
+
 import pytest
 import torch
 
@@ -11,7 +13,7 @@ from engine import SamplingParams
 from engine.batch import ROOT, Drafts
 from engine.config import LookaheadConfig, SpeculativeConfig
 from engine.sequence import Sequence
-from engine.spec_decode.lookahead import (PRIOR_ROW_VALUE, PROBE_EVERY, PROBE_STEPS,
+from engine.spec_decode.lookahead import (PRIOR_ROW_VALUE, PROBE_SHARE,
                                          LookaheadPool)
 from test_eagle import grammar_exactness
 
@@ -79,11 +81,16 @@ def test_window_rows_run_only_where_their_measured_value_beats_the_guards_price(
     assert pool.row_value < PRIOR_ROW_VALUE / 5
     assert pool.window_pays(seq, price=0.0)
     other = Sequence("s", [7, 8], SamplingParams())
-    runs = [pool.window_pays(s, price=0.05) for _ in range(PROBE_EVERY + PROBE_STEPS)
-            for s in (seq, other)]  # the server's sequence-steps, two sequences
-    # priced out: PROBE_STEPS probes after every PROBE_EVERY sequence-steps without rows
-    assert sum(runs) == 2 * PROBE_STEPS and not any(runs[:PROBE_EVERY])
-    assert all(runs[PROBE_EVERY:PROBE_EVERY + PROBE_STEPS])
+    rows = width * (n - 1)
+    for price in (0.05, 0.5):  # priced out: probes paid from PROBE_SHARE per sequence-step
+        runs = [pool.window_pays(s, price=price) for _ in range(2000)
+                for s in (seq, other)]  # the server's sequence-steps, two sequences
+        every = math.ceil(rows * price / PROBE_SHARE)  # sequence-steps a probe's credit takes
+        assert sum(runs) == len(runs) // every
+        # one sequence at a time, never two probes in a row: the rows' cost stays PROBE_SHARE
+        assert not any(a and b for a, b in zip(runs, runs[1:]))
+        spent = sum(runs) * rows * price
+        assert PROBE_SHARE * len(runs) * 0.9 <= spent <= PROBE_SHARE * len(runs)
     assert LookaheadPool(LookaheadConfig(window=0)).window_pays(seq, price=0.0) is False
 
 

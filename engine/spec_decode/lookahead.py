@@ -47,9 +47,13 @@ VALUE_DECAY = 0.99  # of the measured value of window rows, per window step
 # so rows start where they are nearly free (a GPU at batch 1) and elsewhere only probe
 PRIOR_ROW_VALUE = 0.01
 PRIOR_STEPS = 8
-PROBE_EVERY = 512  # sequence-steps of the server without window rows before some run ...
-PROBE_STEPS = 8  # ... for this many, to measure them where they were priced out (on two CPU
-# cores an int4 step with the window's 15 rows costs ~2x a plain one: ~1.5% of the time)
+# where rows are priced out, a sequence still runs its window now and then, to measure it: each
+# sequence-step of the server earns PROBE_SHARE accepted tokens' worth of credit, and a probe
+# spends what its rows cost at the guard's price (rows x price, what they lose if they bring
+# nothing), one sequence at a time: exploring costs at most ~PROBE_SHARE of the tokens whatever
+# a row costs (an int4 step with the window's 15 rows, ~2x a plain one on two CPU cores: a probe
+# every ~120 sequence-steps; bf16 at c = 8, rows far dearer: far rarer)
+PROBE_SHARE = 0.015
 
 
 class NgramPool:
@@ -119,7 +123,7 @@ class LookaheadPool:
         self.trials = {s: [PRIOR_WEIGHT] * self.n for s in SOURCES}
         # the window's n-grams: accepted tokens they brought, rows they took (decayed)
         self._value = [0.0, 0.0, 0.0]  # tokens, rows, window steps
-        self._idle = 0  # sequence-steps priced out since window rows last ran
+        self._credit = 0.0  # accepted tokens' worth probes may still spend (PROBE_SHARE)
         self.window_rows = 0  # lookahead rows run (counters)
         self.window_tokens = 0  # accepted tokens of n-grams only the window proposed
 
@@ -216,18 +220,18 @@ class LookaheadPool:
     # -- the lookahead branch ---------------------------------------------------------------
     def window_pays(self, seq: Sequence, price: float) -> bool:
         """Whether the sequence runs its window's rows next step: where a row's measured value
-        beats its price (accepted tokens a row must add), or to measure it (priced out for
-        PROBE_EVERY sequence-steps of the server: PROBE_STEPS more)."""
+        beats its price (accepted tokens a row must add), or to measure it: a probe, paid from
+        the credit every call earns (PROBE_SHARE), at most one probe's worth saved up."""
         if self.width == 0:
             return False
         if self.row_value >= price:
-            self._idle = 0
             return True
-        self._idle += 1
-        probing = self._idle > PROBE_EVERY
-        if self._idle >= PROBE_EVERY + PROBE_STEPS:
-            self._idle = 0
-        return probing
+        cost = self.width * (self.n - 1) * price
+        self._credit = min(self._credit + PROBE_SHARE, cost)
+        if self._credit < cost:
+            return False
+        self._credit = 0.0
+        return True
 
     def window(self, seq: Sequence, first_node: int, max_nodes: int
                ) -> tuple[list[int], list[int]]:
