@@ -84,3 +84,24 @@ def test_generated_rows_take_the_kernel_whatever_the_step_and_prompt_rows_take_s
         step = _run(kernel, [SeqSpan(0, 1, 201 + i, table, prompt_len=220), other],
                     torch.stack([q[i], q[0]]), k_cache, v_cache)
         assert torch.equal(step[0], mixed[i])
+
+
+def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_start(tmp_path):
+    """torch's builder leaves its lock file in the build folder when the process compiling
+    is killed (a container restarted during its first start); the next load must not wait for
+    it forever. A copy of the built folder with such a lock, loaded in a fresh process."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    built = cpu_ext._where(*cpu_ext.KERNELS["paged_attention"])
+    home = tmp_path / "home"
+    folder = home / ".cache" / "specserve" / "kernels" / built.name
+    shutil.copytree(built, folder)
+    (folder / "lock").touch()
+    code = ("from engine.kernels import cpu_ext; "
+            "print(type(cpu_ext.load('paged_attention')).__name__)")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "HOME": str(home)},
+                         cwd=os.getcwd(), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "module", out.stderr[-2000:]

@@ -3,10 +3,15 @@ extension builder into ~/.cache/specserve/kernels and loaded from there in well 
 
 A kernel needs the CPU features its source is written for; where they are missing, or nothing
 compiles (no compiler), `load` returns the reason as a string and callers use torch's own ops.
+
+Builders of one folder take turns through an OS lock (`flock`, released when its holder dies):
+torch's own lock file, left behind by a process killed while it compiled (a container restarted
+during its first start), would make every later start wait for it forever.
 """
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import logging
@@ -67,11 +72,14 @@ def _build(source: str, flags: tuple[str, ...], cflags: tuple[str, ...]):
     if not any(where.glob("*.so")):
         log.info("compiling the CPU kernel %s into %s (once per machine)", source, where)
     try:
-        return build(name=name, sources=[str(path)],
-                     extra_cflags=["-O3", "-fopenmp"]  # at::parallel_for is OpenMP inline
-                     + [f"-m{f.replace('_', '')}" for f in flags] + list(cflags),
-                     extra_ldflags=["-fopenmp"],  # libgomp.so.1: the one torch has loaded
-                     build_directory=str(where), verbose=False)
+        with open(where / "build.flock", "w") as turn:
+            fcntl.flock(turn, fcntl.LOCK_EX)  # (every builder of the folder holds it first, so
+            (where / "lock").unlink(missing_ok=True)  # torch's lock here is a dead one's)
+            return build(name=name, sources=[str(path)],
+                         extra_cflags=["-O3", "-fopenmp"]  # at::parallel_for is OpenMP inline
+                         + [f"-m{f.replace('_', '')}" for f in flags] + list(cflags),
+                         extra_ldflags=["-fopenmp"],  # libgomp.so.1: the one torch has loaded
+                         build_directory=str(where), verbose=False)
     except Exception as exc:  # noqa: BLE001 - no compiler, no headers: say so, use torch's
         return f"it did not compile ({type(exc).__name__}: {str(exc)[-300:]})"
 
