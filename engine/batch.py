@@ -109,6 +109,9 @@ class Drafts:
       and attends to the committed tokens and its own ancestors only; its K/V is written at
       the slot of that position plus its index, and the accepted path's K/V move to their
       positions after verification (`ModelRunner.compact`).
+    - `tree_q[i]`: sequence i's q where its drafts are a SAMPLED token tree (children drawn
+      from q without replacement, verified by recursive rejection sampling with q): [1 + k, V],
+      the root's row, then each node's; None elsewhere.
     - `num_lookahead[i]`: sequence i's last drafts that are lookahead rows (lookahead
       decoding's window, engine/spec_decode/lookahead.py): nodes of its tree that the target
       computes like any draft but the verifier never accepts (their logits feed the proposer).
@@ -125,6 +128,8 @@ class Drafts:
         self.host = host if host is not None else [UNKNOWN] * self.num_tokens
         self.draft_probs = draft_probs
         self.has_q = has_q if has_q is not None else [False] * len(self.num_draft_tokens)
+        # per sequence a sampled tree's q ([1 + k, V], `gather`), None: none
+        self.tree_q: list[torch.Tensor | None] = [None] * len(self.num_draft_tokens)
         # per sequence its tree and the tree's paths (None: a chain), derived once
         self._trees: list[tuple[list[int], list[list[int]]] | None] = \
             [None] * len(self.num_draft_tokens)
@@ -141,11 +146,13 @@ class Drafts:
     @classmethod
     def gather(cls, per_seq: list[tuple[list[int] | torch.Tensor, torch.Tensor | None]],
                device: torch.device, trees: list[list[int] | None] | None = None,
-               num_lookahead: list[int] | None = None) -> "Drafts":
+               num_lookahead: list[int] | None = None,
+               tree_q: list[torch.Tensor | None] | None = None) -> "Drafts":
         """Drafts from each sequence's (ids, q): ids on the host (a list) or on the device
         ([k] long); q [k, V] where it is read, else None. trees: per sequence its drafts'
         parents, None for a chain (all None: chains); num_lookahead: per sequence its last
-        drafts that are lookahead rows (None: none)."""
+        drafts that are lookahead rows (None: none); tree_q: per sequence a sampled tree's q
+        ([1 + k, V]: the root's row, then each node's; None: one-hot or verified by pick)."""
         num = [len(ids) for ids, _ in per_seq]
         host = [t for ids, _ in per_seq
                 for t in (ids if isinstance(ids, list) else [UNKNOWN] * len(ids))]
@@ -162,6 +169,7 @@ class Drafts:
             rows = [r for i, _ in held for r in range(drafts.offsets[i], drafts.offsets[i + 1])]
             drafts.token_ids.index_copy_(0, to_device(rows, torch.long, device),
                                          torch.cat([ids for _, ids in held]))
+        drafts.tree_q = tree_q or [None] * len(per_seq)
         qs = [(i, q) for i, (_, q) in enumerate(per_seq) if drafts.has_q[i]]
         if qs:  # rows of sequences without q stay unset (never read)
             q0 = qs[0][1]

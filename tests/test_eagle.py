@@ -261,22 +261,25 @@ def test_a_prompt_keeps_at_most_prompt_wait_rows_features(trained, monkeypatch):
     assert engine.speculator.stats.num_accepted_tokens > 0
 
 
-def test_eagle_sampled_output_keeps_the_target_distribution(tmp_path):
-    """Rejection sampling of the head's drafts: chains sampled from q (with trees on: a
-    request verified by rejection drafts a chain)."""
+@pytest.mark.parametrize("seeded", [True, False])
+def test_eagle_sampled_output_keeps_the_target_distribution(tmp_path, seeded):
+    """Rejection sampling of the head's drafts, trees on: a seeded request (verification
+    "rejection") drafts chains sampled from q; an unseeded one the head's sampled trees
+    (children drawn from q without replacement, verified with q)."""
     target, _, prompt = distribution_pair()
     head = untrained_head(target, tmp_path / "head")
     n = 2400
 
     def params(seed):
-        return SamplingParams(temperature=1.0, max_tokens=4, seed=seed, ignore_eos=True)
+        return SamplingParams(temperature=1.0, max_tokens=4, seed=seed if seeded else None,
+                              ignore_eos=True)
 
     plain = third_tokens(make_engine(target), prompt, [params(s) for s in range(n)])
     engine = make_engine(target, "eagle", speculator=head, k_max=3, verification="rejection",
                          tree_max_nodes=8)
     spec = third_tokens(engine, prompt, [params(s) for s in range(n, 2 * n)])
     assert 0.05 < engine.speculator.stats.acceptance_rate < 0.99
-    assert engine.speculator.stats.num_tree_verifications == 0
+    assert (engine.speculator.stats.num_tree_verifications == 0) == seeded
     assert same_distribution_pvalue(plain, spec) > 0.001
 
 

@@ -135,6 +135,70 @@ def test_greedy_and_seeded_with_trees_equal_plain_batched(method, num_blocks):
     assert (engine.scheduler.stats.num_preemptions > 0) == (num_blocks < 100)
 
 
+def _first_tokens(engine, prompt, params_list, batch=64):
+    """[requests, 3] the first three generated tokens of `prompt` under each SamplingParams."""
+    tokens = []
+    for lo in range(0, len(params_list), batch):
+        chunk = params_list[lo:lo + batch]
+        tokens += [o.output_token_ids[:3] for o in engine.generate([prompt] * len(chunk), chunk)]
+    return np.array(tokens)
+
+
+def test_sampled_trees_of_the_draft_model_keep_the_targets_distribution():
+    """Unseeded sampled requests (verified by rejection sampling) get the draft model's
+    SAMPLED trees: children drawn from q without replacement, verified with q. Each of the
+    first three tokens has plain decoding's distribution (two-sample chi-square, 2400
+    requests each), the trees branched and were accepted, and no block leaks."""
+    from conftest import distribution_pair, same_distribution_pvalue
+
+    target, draft, prompt = distribution_pair()
+    n = 2400
+    params = SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True)
+    plain = _first_tokens(make_engine(target, seed=11), prompt, [params] * n)
+    engine = make_engine(target, "draft_model", draft, k_max=3, tree_max_nodes=8, seed=12)
+    branched = []
+    verify = engine.verifier.verify
+
+    def counting(seqs, logits, row_offsets, drafts, masks=None):
+        if drafts is not None:
+            branched.extend(drafts.tree_q[i] is not None for i in range(len(seqs))
+                            if drafts.parents_of(i) is not None)
+        return verify(seqs, logits, row_offsets, drafts, masks)
+
+    engine.verifier.verify = counting
+    spec = _first_tokens(engine, prompt, [params] * n)
+    for j in range(3):
+        assert same_distribution_pvalue(plain[:, j], spec[:, j]) > 0.001, j
+    st = engine.speculator.stats
+    assert branched and all(branched)  # sampled trees with their q, none one-hot
+    assert st.tree_verifications_by_method.get("draft_model", 0) > 0
+    assert 0.05 < st.acceptance_rate < 0.99
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_sampled_shape_is_a_tree_of_its_most_likely_nodes():
+    from engine.batch import check_tree
+    from engine.spec_decode.tree_draft import sampled_confidence, sampled_shape
+
+    shape = sampled_shape(0.6, width=3, max_nodes=10, depth=4, min_prob=0.01)
+    check_tree(shape)
+    assert len(shape) == 10 and shape[0] == -1
+    conf = sampled_confidence(shape, 0.6)
+    assert conf[0] == pytest.approx(0.6) and min(conf) >= 0.01
+    # breadth first: a node's children follow it, in rank order, and every prefix is a tree
+    assert all(p < j for j, p in enumerate(shape))
+    for k in range(1, len(shape)):
+        check_tree(shape[:k])
+    # a likelier acceptance goes deeper, an unlikely one wider
+    deep = sampled_shape(0.9, 4, 8, 8, 0.0)
+    wide = sampled_shape(0.2, 4, 8, 8, 0.0)
+    depth = lambda s: max(len(p) for p in tree_paths(s))  # noqa: E731
+    assert depth(deep) > depth(wide) and sum(p == -1 for p in wide) > sum(
+        p == -1 for p in deep)
+    assert sampled_shape(0.5, 2, 8, 3, min_prob=0.6) == []  # nothing pays for its row
+    assert len(sampled_shape(0.5, 2, 100, 3, 0.0)) == 2 + 4 + 8  # a full tree of depth 3
+
+
 # -- tree_verify: the verification of trees, a pure function --------------------------------
 TOKENS, TREE = [2, 4, 1, 3, 5], [-1, -1, 0, 0, 1]  # root: 2, 4; under 2: 1, 3; under 4: 5
 
@@ -190,6 +254,87 @@ def test_tree_rejection_sampling_keeps_the_targets_distribution(tokens):
     check(out[out[:, 0] == 4, 1], probs[2])
     check(out[(out[:, 0] == 2) & (out[:, 1] == 1), 2], probs[3])
     assert (out[:, 1] >= 0).mean() > 0.2  # the tree was accepted often enough to test
+
+
+def _sampled_trees(n, p_root, p1, p2, q_root, q1, generator, with_q):
+    """n trees of TREE's shape whose children were drawn from q WITHOUT replacement (Gumbel
+    top-k): the root's two from q_root, node 0's two and node 1's one from q1[its token]; p
+    over the path: p_root, p1[a], p2[a, b]. with_q[i]: tree i carries its q (else one-hot)."""
+    from engine.sample.rejection_sampler import TreeOwners
+
+    def draw(q, k):  # [n, V] -> [n, k] without replacement, in order
+        gumbel = -torch.log(-torch.log(torch.rand(q.shape, generator=generator)))
+        return (q.log() + gumbel).topk(k, dim=-1).indices
+
+    root = draw(q_root.expand(n, -1), 2)
+    under0, under1 = draw(q1[root[:, 0]], 2), draw(q1[root[:, 1]], 1)
+    ids = torch.stack([root[:, 0], root[:, 1], under0[:, 0], under0[:, 1], under1[:, 0]], 1)
+    a, b = root[:, 0], root[:, 1]
+    target = torch.stack([p_root.expand(n, -1), p1[a], p1[b], p2[a, under0[:, 0]],
+                          p2[a, under0[:, 1]], p2[b, under1[:, 0]]], 1)  # [n, 6, V]
+    zero = torch.zeros_like(q_root).expand(n, -1)
+    q = torch.stack([q_root.expand(n, -1), q1[a], q1[b], zero, zero, zero], 1)
+    rows = len(TREE) + 1
+    trees = TreeOwners([i * rows for i in range(n)], [i * len(TREE) for i in range(n)],
+                       [TREE] * n, [False] * n, [None] * n,
+                       [q[i] if with_q[i] else None for i in range(n)])
+    return ids.reshape(-1), target.reshape(n * rows, -1), trees
+
+
+def test_tree_rejection_with_q_keeps_the_targets_distribution():
+    """Children drawn from the proposer's q without replacement, verified by recursive
+    rejection sampling with q: every emitted position has the target's distribution given the
+    tokens before it (chi-square over 40,000 trees), and trees without q in the same batch
+    (one-hot) too. q lacks tokens p has and p lacks tokens q has; it is far from p, so the
+    residuals matter."""
+    from scipy import stats
+
+    from engine.sample.rejection_sampler import tree_verify
+
+    g = torch.Generator().manual_seed(5)
+    v, n = 8, 40000
+    p_root = torch.softmax(torch.randn(v, generator=g) * 1.5, -1)
+    p1 = torch.softmax(torch.randn(v, v, generator=g) * 1.5, -1)
+    p2 = torch.softmax(torch.randn(v, v, v, generator=g) * 1.5, -1)
+    p_root[7] = 0.0  # p lacks a token q has
+    p_root /= p_root.sum()
+    # peaked: a drawn child takes much of q's mass, so q after it (without replacement) differs
+    q_root = torch.softmax(torch.randn(v, generator=g) * 3.0, -1)
+    q1 = torch.softmax(torch.randn(v, v, generator=g) * 3.0, -1)
+    q_root[0] = 0.0  # q lacks a token p has
+    q_root /= q_root.sum()
+    with_q = [i % 4 != 0 for i in range(n)]  # every fourth tree one-hot
+    ids, target, trees = _sampled_trees(n, p_root, p1, p2, q_root, q1, g, with_q)
+    out, node = tree_verify(ids, target.argmax(dim=-1), target, trees,
+                            torch.Generator().manual_seed(6))
+    out = out.numpy()
+
+    def check(draws, p):
+        counts = np.bincount(draws, minlength=v)
+        expected = p.double().numpy()
+        assert stats.chisquare(counts[expected > 0],
+                               (expected / expected.sum() * len(draws))[expected > 0]
+                               ).pvalue > 1e-3
+        assert counts[expected == 0].sum() == 0
+
+    for part in (np.array(with_q), ~np.array(with_q)):
+        first = out[part]
+        check(first[:, 0], p_root)
+        # (a token drawn from a residual ends the step: what follows an ACCEPTED one)
+        for a in range(v):
+            after = first[(first[:, 0] == a) & (first[:, 1] >= 0), 1]
+            if len(after) > 2000:
+                check(after, p1[a])
+        deep = first[first[:, 2] >= 0]
+        pairs = np.unique(deep[:, :2], axis=0, return_counts=True)
+        a, b = pairs[0][pairs[1].argmax()]
+        check(deep[(deep[:, 0] == a) & (deep[:, 1] == b), 2], p2[a, b])
+    assert (node.numpy() >= 0).mean() > 0.1  # the trees were accepted often enough to test
+    # q read: a proposer whose q is p has its first child accepted at every node
+    ids, target, trees = _sampled_trees(2000, p_root, p1, p2, p_root, p1, g, [True] * 2000)
+    out, node = tree_verify(ids, target.argmax(dim=-1), target, trees,
+                            torch.Generator().manual_seed(7))
+    assert (out[:, 2] >= 0).all() and set(node.tolist()) == {2}
 
 
 def test_seeded_tree_rejection_is_reproducible_and_keyed():

@@ -239,15 +239,21 @@ class TreeOwners(NamedTuple):
     (its last committed token's; node j's row follows at + 1 + j), its drafts' offset in the
     flat draft ids, its parents (engine/batch.py `Drafts.parents`), whether it is verified by
     pick, and the noise keys of its rows (root, then each node; a seeded sequence verified by
-    rejection) or None. A tree's drafts are one-hot (q(x) = 1 at the draft: suffix matches),
-    and a node's children carry distinct tokens (by rejection, a repeated one would be tried
-    again after its rejection: every proposer dedupes its siblings)."""
+    rejection) or None; and per tree its q or None. Without q a tree's drafts are one-hot
+    (q(x) = 1 at the draft: suffix matches, a head's most probable tokens), and a node's children
+    carry distinct tokens (by rejection, a repeated one would be tried again after its
+    rejection: every proposer dedupes its siblings). With q ([1 + nodes, V]: the root's row,
+    then each node's, like the target's) a node's children were drawn from its row WITHOUT
+    replacement, in their order, and how many it has was decided before they were drawn (a
+    choice that looked at a child's own token would bias the draw); a leaf's row is never
+    read."""
 
     first_rows: list[int]
     draft_offsets: list[int]
     parents: list[list[int]]
     by_pick: list[bool]
     keys: list[list[int] | None]
+    q: list[torch.Tensor | None] | None = None
 
 
 def tree_verify(draft_token_ids: torch.Tensor, picks: torch.Tensor,
@@ -263,7 +269,14 @@ def tree_verify(draft_token_ids: torch.Tensor, picks: torch.Tensor,
       p with the earlier children's tokens removed and renormalized; the final token is drawn
       from p at the path's end with its children's tokens removed (p itself at a leaf). Each
       emitted token then has the target's distribution: child x_i is emitted with probability
-      p(x_i), and the residual draw covers the rest.
+      p(x_i), and the residual draw covers the rest;
+    - by rejection with q (children sampled from q without replacement: recursive rejection
+      sampling as SpecTr's and RSD's): with r_1 = p and q_1 = q at the node, child x_i is
+      accepted with probability min(1, r_i(x_i) / q_i(x_i)); after its rejection
+      r_{i+1} = normalize(max(r_i - q_i, 0)) and q_{i+1} = q_i without x_i, renormalized; the
+      final token at the path's end is drawn from the residual after all its children (p at a
+      leaf). Stage i emits y with probability min(q_i, r_i)(y) and passes on max(r_i - q_i, 0),
+      so every stage's output has r_i's distribution, and the node's has p's.
     target_probs: [rows, V] p, read for the trees verified by rejection (None: all by pick).
 
     Returns ([T, D + 1] emitted tokens padded with PLACEHOLDER, D the deepest tree's depth;
@@ -278,6 +291,9 @@ def tree_verify(draft_token_ids: torch.Tensor, picks: torch.Tensor,
         earlier = torch.cat([p_x, p_x.new_zeros(1)])[g.earlier].sum(dim=1)  # siblings' p
         uniform = _tree_uniforms(g, trees, default_generator, device)
         accepted = torch.where(g.node_pick, accepted, uniform * (1 - earlier) < p_x)
+        residuals = None
+        if trees.q is not None and any(q is not None for q in trees.q):
+            accepted, residuals = _q_tree_accept(target_probs, g, trees, ids, uniform, accepted)
     accepted = torch.cat([accepted, pad])
     first = accepted[:-1] & ~accepted[g.earlier].any(dim=1)  # the first accepted sibling
     on_path = torch.cat([first, ~pad])[g.cand_path].all(dim=-1)  # [T, C] (sentinel: true)
@@ -289,7 +305,7 @@ def tree_verify(draft_token_ids: torch.Tensor, picks: torch.Tensor,
     if not all(trees.by_pick):
         final = torch.where(g.tree_pick, final,
                             _tree_final(target_probs, end_rows, g, best, trees, ids,
-                                        default_generator))
+                                        default_generator, residuals))
     tokens = torch.cat([ids, torch.full((1,), PLACEHOLDER, dtype=torch.long, device=device)])
     out = torch.full((len(trees.parents), g.depth + 1), PLACEHOLDER, dtype=torch.long,
                      device=device)
@@ -392,11 +408,58 @@ def _tree_uniforms(g: _TreeGrid, trees: TreeOwners, default: torch.Generator | N
     return uniform
 
 
+def _q_tree_accept(probs: torch.Tensor, g: _TreeGrid, trees: TreeOwners, ids: torch.Tensor,
+                   uniform: torch.Tensor, accepted: torch.Tensor
+                   ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """The acceptance of the nodes of the trees with q (`accepted` elsewhere as given) by
+    recursive rejection sampling over each node's children, one sibling rank at a time over
+    every such node at once; and (residual index [T, C]: each candidate's row of the residuals,
+    -1 where none; residuals [N, V]: after all of a node's children were rejected)."""
+    device = probs.device
+    m = len(g.tree_of)
+    owners, q_rows = [], []  # (tree, candidate) of each node with children in a q tree
+    children = g.children.cpu().numpy()  # (host: the grid was built there)
+    for t, q in enumerate(trees.q):
+        if q is None or trees.by_pick[t]:
+            continue
+        for c in range(1 + len(trees.parents[t])):
+            if children[t, c, 0] < m:
+                owners.append((t, c))
+                q_rows.append(q[c])
+    index = torch.full(tuple(children.shape[:2]), -1, dtype=torch.long)
+    if not owners:
+        return accepted, (index.to(device), probs.new_zeros((0, probs.shape[1])))
+    at = torch.tensor(owners, dtype=torch.long)
+    index[at[:, 0], at[:, 1]] = torch.arange(len(owners))
+    at, index = at.to(device), index.to(device)
+    r = probs[g.cand_rows[at[:, 0], at[:, 1]]].float()  # [N, V] r_1 = p
+    q = torch.stack(q_rows).to(device=device, dtype=torch.float32)  # [N, V] q_1
+    kids = g.children[at[:, 0], at[:, 1]]  # [N, W] sentinel-padded
+    tokens = torch.cat([ids, ids.new_zeros(1)])[kids]
+    u = torch.cat([uniform, uniform.new_ones(1)])[kids]
+    out = accepted.clone()
+    for i in range(kids.shape[1]):
+        real = kids[:, i] < m
+        x = tokens[:, i:i + 1]
+        r_x, q_x = r.gather(1, x)[:, 0], q.gather(1, x)[:, 0]
+        out[kids[real, i]] = (u[:, i] * q_x < r_x)[real]  # (q >= r: r/q; q < r: always)
+        rest = (r - q).clamp_min(0.0)
+        mass = rest.sum(dim=-1, keepdim=True)
+        # (no mass left: rejecting had probability 0; r stays rather than divide by 0)
+        r = torch.where(real[:, None] & (mass > 0), rest / mass.clamp_min(1e-30), r)
+        q_rest = q.scatter(1, x, 0.0)
+        left = q_rest.sum(dim=-1, keepdim=True)
+        q = torch.where(real[:, None] & (left > 0), q_rest / left.clamp_min(1e-30), q)
+    return out, (index, r)
+
+
 def _tree_final(probs: torch.Tensor, end_rows: torch.Tensor, g: _TreeGrid, best: torch.Tensor,
-                trees: TreeOwners, ids: torch.Tensor,
-                default: torch.Generator | None) -> torch.Tensor:
+                trees: TreeOwners, ids: torch.Tensor, default: torch.Generator | None,
+                residuals: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """[T] the final token of each tree verified by rejection: a draw from p at its path's
-    end with that node's children's tokens removed (all were rejected there), renormalized."""
+    end with that node's children's tokens removed (all were rejected there), renormalized;
+    for a tree with q, from the residual its children's recursive rejection left
+    (`_q_tree_accept`), p at a leaf."""
     device = probs.device
     p = probs[end_rows].float()  # [T, V]
     rows = torch.arange(p.shape[0], device=device)
@@ -407,6 +470,11 @@ def _tree_final(probs: torch.Tensor, end_rows: torch.Tensor, g: _TreeGrid, best:
     residual = p.masked_fill(drop > 0, 0.0)
     usable = residual.sum(dim=-1) > 0  # zero only where p sat on the children (probability 0)
     dist = torch.where(usable[:, None], residual, p)
+    if residuals is not None and len(residuals[1]):
+        at = residuals[0][rows, best]  # [T] the end node's residual row, -1: none (a leaf)
+        q_tree = torch.tensor([q is not None for q in trees.q], device=device)
+        dist = torch.where(q_tree[:, None], p, dist)
+        dist = torch.where((at >= 0)[:, None], residuals[1][at.clamp_min(0)], dist)
     noise = torch.empty_like(dist).exponential_(generator=default)
     keyed = [t for t, k in enumerate(trees.keys) if k is not None and not trees.by_pick[t]]
     if keyed:  # a seeded tree's final draw is keyed by the position it lands on: per depth

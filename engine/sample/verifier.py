@@ -194,7 +194,10 @@ class Verifier:
                            [drafts.offsets[owners[i].index] for i in trees],
                            [verified[i] for i in trees], picked[trees].tolist(),
                            [[r.noise_key for r in rows[starts[i]:starts[i] + owners[i].kv + 1]]
-                            if kd else None for i, kd in zip(trees, keyed)]),
+                            if kd else None for i, kd in zip(trees, keyed)],
+                           [None if drafts.tree_q[owners[i].index] is None
+                            else drafts.tree_q[owners[i].index][:owners[i].kv + 1]
+                            for i in trees]),
                 self.generator)
             parts.append((trees, tree_out))
         if len(chain):

@@ -58,6 +58,7 @@ def check_vocab(draft_vocab: int, target_vocab: int, tokenizer_size: int | None)
 
 class DraftModelProposer(Proposer):
     trees = True
+    sampled_trees = True
     method = "draft_model"
 
     def __init__(self, model: torch.nn.Module, plan: RunnerPlan, block_manager: BlockManager,
@@ -170,6 +171,18 @@ class DraftModelProposer(Proposer):
                                    min_prob, min_level)
         for seq, d in zip(seqs, depths):
             if d:
+                seq.num_draft_computed = seq.num_tokens
+        return proposal
+
+    @torch.inference_mode()
+    def propose_sampled_tree(self, seqs: list[Sequence], shapes: list[list[int]],
+                             acceptance: list[float]) -> Proposal:
+        """Sampled token trees of the given shapes (tree_draft.py `grow_sampled`), for
+        requests verified by rejection sampling; the draft KV then as after `propose_tree`."""
+        shapes = tree_draft.reserve_shapes(self._reserve, seqs, shapes)
+        proposal = tree_draft.grow_sampled(self, self.sampler, seqs, shapes, acceptance)
+        for seq, shape in zip(seqs, shapes):
+            if shape:
                 seq.num_draft_computed = seq.num_tokens
         return proposal
 

@@ -70,6 +70,7 @@ def _compact(rows: torch.Tensor) -> torch.Tensor:
 
 class EagleProposer(Proposer):
     trees = True
+    sampled_trees = True
     method = "eagle"
 
     def __init__(self, head: EagleHead, target: torch.nn.Module, block_manager: BlockManager,
@@ -267,6 +268,14 @@ class EagleProposer(Proposer):
         depths = tree_draft.reserve_depths(self._reserve, seqs, depths, max_nodes, width)
         return tree_draft.grow(self, self.sampler, seqs, depths, max_nodes, width, min_prob,
                                min_level)
+
+    @torch.inference_mode()
+    def propose_sampled_tree(self, seqs: list[Sequence], shapes: list[list[int]],
+                             acceptance: list[float]) -> Proposal:
+        """Sampled token trees of the given shapes (tree_draft.py `grow_sampled`), for
+        requests verified by rejection sampling."""
+        shapes = tree_draft.reserve_shapes(self._reserve, seqs, shapes)
+        return tree_draft.grow_sampled(self, self.sampler, seqs, shapes, acceptance)
 
     def first_forward(self, seqs: list[Sequence]) -> tuple[torch.Tensor, list, int]:
         rows = [self._catch_up_rows(s, s.num_tokens) for s in seqs]

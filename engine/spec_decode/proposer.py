@@ -52,6 +52,8 @@ class Proposal:
 
 class Proposer(ABC):
     trees = False  # drafts token trees too (`propose_tree`)
+    # ... and sampled ones for requests verified by rejection (`propose_sampled_tree`)
+    sampled_trees = False
     method = ""  # its name in counters: draft_model, eagle, medusa, ngram
 
     @abstractmethod

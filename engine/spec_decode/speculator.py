@@ -35,6 +35,7 @@ from engine.runner_plan import RunnerPlan
 from engine.sample.row_spec import by_pick
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
+from engine.spec_decode import tree_draft
 from engine.spec_decode.calibration import calibrate
 from engine.spec_decode.draft_model import DraftModelProposer
 from engine.spec_decode.eagle import EagleHead
@@ -155,21 +156,27 @@ class Speculator(NoSpeculation):
         per_seq = []  # (ids on the host or the device, q where rejection sampling reads it)
         trees = []  # their parents where they are token trees (the first k nodes: a tree)
         lookahead = []  # their lookahead rows (the budget cuts those first)
+        tree_q = []  # sampled trees' q (rejection sampling reads it)
         for s in out.scheduled:
             seq, k = s.seq, s.num_drafts
             state = self._states.get(seq.request_id) or SpecState()
             ids = (state.device[:k] if k and state.device is not None
                    else (state.drafts or [])[:k])
             read_q = k and state.q is not None and not by_pick(seq.params, self.coupled)
-            per_seq.append((ids, state.q[:k] if read_q else None))
-            trees.append(state.parents[:k] if k and state.parents is not None else None)
+            tree = state.parents[:k] if k and state.parents is not None else None
+            # (a sampled tree's q: the root's row, then each node's; its first k rows are a
+            # chain's, each draft's, where the budget cut it to one)
+            chain = tree is None or is_chain(tree)
+            per_seq.append((ids, state.q[:k] if read_q and chain else None))
+            tree_q.append(state.q[:k + 1] if read_q and not chain else None)
+            trees.append(tree)
             # (the budget cuts the window's rows first: those past the verified drafts)
             lookahead.append(0 if state.drafts is None
                              else max(k - (len(state.drafts) - state.lookahead), 0))
             state.predicted = (sum(state.confidence[:k]) if k and state.confidence is not None
                                else None)
             self._clear(state)
-        return Drafts.gather(per_seq, self.device, trees, lookahead)
+        return Drafts.gather(per_seq, self.device, trees, lookahead, tree_q)
 
     def verified(self, out: SchedulerOutput, step: StepLogits, emitted: list[list[int]],
                  drafts: Drafts | None = None, paths: list[list[int] | None] | None = None,
@@ -359,12 +366,20 @@ class Speculator(NoSpeculation):
 
     def _proposer_tree_ok(self, seq: Sequence) -> bool:
         """The proposer drafts a token tree for the sequence (a head, the draft model; trees
-        on) where the target's own pick verifies it (greedy, coupled seeded). Requests
-        verified by rejection sampling keep chains sampled from q: a tree of the proposer's
-        most probable tokens (one-hot drafts) is accepted with the target's probability of
-        each, far less than sampled drafts where the distribution is flat."""
+        on): of its most probable tokens where the target's own pick verifies it (greedy,
+        coupled seeded), a sampled one (`_sampled_tree`) where rejection sampling does."""
         return (self.tree_nodes > 0 and self.proposer is not None and self.proposer.trees
-                and by_pick(seq.params, self.coupled))
+                and (by_pick(seq.params, self.coupled) or self._sampled_tree(seq)))
+
+    def _sampled_tree(self, seq: Sequence) -> bool:
+        """A sequence verified by rejection sampling gets a sampled tree (children drawn from
+        q without replacement, verified with q) where the proposer drafts them, the request
+        is unseeded (a seeded one's draws would need keyed streams: it keeps chains) and no
+        grammar prunes the tree (a node cut for its token would bias the draws). A tree of the
+        most probable tokens (one-hot) would be accepted with the target's probability of
+        each, far less than sampled drafts where the distribution is flat."""
+        return (getattr(self.proposer, "sampled_trees", False) and seq.params.seed is None
+                and seq.matcher is None and not by_pick(seq.params, self.coupled))
 
     def _backlog(self, seq: Sequence) -> int:
         """Tokens the proposer must catch up on before it drafts for `seq`."""
@@ -391,16 +406,30 @@ class Speculator(NoSpeculation):
         at most tree_max_nodes nodes inside the context, each node at least `min_prob` likely
         (the guard's price of a row), a level only where its nodes sum to `min_level` (the
         price of a draft forward); a tree that came out a chain is verified as one."""
-        t0 = time.perf_counter()
-        proposal = self.proposer.propose_tree(
-            seqs, [min(self.config.k_max, room) for room in rooms],
-            [min(self.tree_nodes, self.max_model_len - s.num_tokens) for s in seqs],
-            self.guard.tree_width, min_prob, min_level)
-        self.guard.drafted(proposal, time.perf_counter() - t0)
-        for seq, ids, parents, conf in zip(seqs, proposal.token_ids, proposal.parents,
-                                           proposal.confidence):
-            self._set_drafts(seq, ids, None, (self.method, 0),
-                             parents=None if is_chain(parents) else parents, confidence=conf)
+        depths = [min(self.config.k_max, room) for room in rooms]
+        caps = [min(self.tree_nodes, self.max_model_len - s.num_tokens) for s in seqs]
+        sampled = [self._sampled_tree(s) for s in seqs]
+        for which in (False, True):
+            part = [i for i, x in enumerate(sampled) if x == which]
+            if not part:
+                continue
+            t0 = time.perf_counter()
+            if which:  # shapes from each one's acceptance estimate, drawn from q
+                alphas = [self._state(seqs[i]).acceptance or 0.0 for i in part]
+                shapes = [tree_draft.sampled_shape(a, self.guard.tree_width, caps[i], depths[i],
+                                                   min_prob) for a, i in zip(alphas, part)]
+                proposal = self.proposer.propose_sampled_tree([seqs[i] for i in part], shapes,
+                                                              alphas)
+            else:
+                proposal = self.proposer.propose_tree(
+                    [seqs[i] for i in part], [depths[i] for i in part], [caps[i] for i in part],
+                    self.guard.tree_width, min_prob, min_level)
+            self.guard.drafted(proposal, time.perf_counter() - t0)
+            for i, ids, q, parents, conf in zip(part, proposal.token_ids, proposal.probs,
+                                                proposal.parents, proposal.confidence):
+                self._set_drafts(seqs[i], ids, q, (self.method, 0),
+                                 parents=None if is_chain(parents) else parents,
+                                 confidence=conf)
 
     def _set_drafts(self, seq: Sequence, drafts: list[int] | None, q: torch.Tensor | None,
                     method: tuple[str, int], device: torch.Tensor | None = None,
@@ -408,8 +437,10 @@ class Speculator(NoSpeculation):
                     confidence: list[float] | None = None) -> None:
         """drafts: on the host, or None where `device` ([k]) holds them (never for a
         sequence under a grammar: the proposer reads those); parents: their token tree (on
-        the host, one-hot: no q), None for a chain. Under a grammar, drafts keep what it
-        allows: a chain to its first refused token, a tree the nodes whose paths it allows."""
+        the host), None for a chain; a tree's q (a sampled tree's) is [1 + nodes, V]: the
+        root's row, then each node's (its first rows are a chain's q where it came out one).
+        Under a grammar, drafts keep what it allows: a chain to its first refused token, a
+        tree the nodes whose paths it allows."""
         if seq.matcher is not None and drafts and parents is not None:
             drafts, parents, confidence = _grammar_tree(seq.matcher, drafts, parents,
                                                         confidence)

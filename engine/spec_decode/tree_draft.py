@@ -12,10 +12,19 @@ processed distribution (the product along the path). The tree keeps the most pro
 each at least `min_prob` likely, in order of probability (a parent before its children: the
 first k nodes are a tree too); drafts are deterministic (one-hot q). The slots the expanded
 nodes wrote lie past the committed tokens: the proposer's next catch-up rewrites them.
+
+A request verified by rejection sampling (sampled, not verified by the target's pick) gets a
+SAMPLED tree instead (`grow_sampled`): its shape is fixed before any token is drawn
+(`sampled_shape`: the nodes most likely to be accepted under the sequence's acceptance estimate,
+by depth and sibling rank), then each node's children are drawn from q WITHOUT replacement
+(Gumbel top-k), in order, and q is kept per node: the verifier's recursive rejection sampling
+with q (engine/sample/rejection_sampler.py `tree_verify`) needs exactly that, and a tree pruned
+by its drawn tokens' probabilities would bias it.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Callable
 from typing import Protocol
@@ -81,6 +90,20 @@ def reserve_depths(reserve: Callable[[Sequence, int], int], seqs: list[Sequence]
     return out
 
 
+def reserve_shapes(reserve: Callable[[Sequence, int], int], seqs: list[Sequence],
+                   shapes: list[list[int]]) -> list[list[int]]:
+    """The sampled trees' shapes once the slots their expanded nodes write are reserved
+    (`reserve_depths`' way): the root's children alone where the pool is short, none where
+    it has no room."""
+    out = []
+    for seq, shape in zip(seqs, shapes):
+        expansions = len({p for p in shape if p >= 0})
+        got = reserve(seq, 1 + expansions) if shape else 0
+        out.append([] if got == 0 else shape if got == 1 + expansions
+                   else [p for p in shape if p < 0])
+    return out
+
+
 def grow(model: TreeModel, draft_sampler, seqs: list[Sequence], depths: list[int],
          max_nodes: list[int], width: int, min_prob: float, min_level: float = 0.0
          ) -> Proposal:
@@ -95,11 +118,7 @@ def grow(model: TreeModel, draft_sampler, seqs: list[Sequence], depths: list[int
     level = 0
     while owners:
         start = marks.mark()
-        if level == 0:
-            logits, states, rows = model.first_forward([seqs[i] for i, _ in owners])
-        else:
-            (logits, states), rows = model.node_forward([(seqs[i], n) for i, n in owners]), \
-                len(owners)
+        logits, states, rows = _run_level(model, level, [(seqs[i], n) for i, n in owners])
         top, ids = _best_children(draft_sampler, logits, seqs, owners, width)
         forwards.append((rows, len({i for i, _ in owners}), start, marks.mark()))
         level += 1
@@ -127,6 +146,16 @@ def grow(model: TreeModel, draft_sampler, seqs: list[Sequence], depths: list[int
                 expanded[i] += 1
                 owners.append((i, n))
     return _best_trees(nodes, max_nodes, min_prob, forwards, marks)
+
+
+def _run_level(model: TreeModel, level: int, items: list[tuple[Sequence, Node | None]]
+               ) -> tuple[torch.Tensor, list, int]:
+    """One level's forward: the catch-up rows (level 0), else a row per node; (logits, the
+    states their children read, rows run)."""
+    if level == 0:
+        return model.first_forward([seq for seq, _ in items])
+    logits, states = model.node_forward(items)
+    return logits, states, len(items)
 
 
 def _best_children(draft_sampler, logits: torch.Tensor, seqs: list[Sequence],
@@ -158,3 +187,143 @@ def _best_trees(nodes: list[list[Node]], max_nodes: list[int], min_prob: float,
         confidence.append([math.exp(n.logp) for n in kept])
     return Proposal(ids, [None] * len(ids), forwards, marks, parents=parents,
                     confidence=confidence)
+
+
+def sampled_shape(acceptance: float, width: int, max_nodes: int, depth: int,
+                  min_prob: float) -> list[int]:
+    """The parents of a sampled tree's nodes (-1: the root), parents first and each node's
+    children in their draw order: the at most `max_nodes` nodes within `depth` levels most
+    likely to be accepted, each at least `min_prob`, under acceptance `acceptance` per child
+    tried: a node is accepted when its path's ancestors were, the siblings drawn before it were
+    rejected and it was not: the product over its path of a * (1 - a)^rank. At most `width`
+    children a node. It reads no token, so it cannot bias the draws."""
+    a = min(max(acceptance, 0.05), 0.95)
+    if max_nodes <= 0 or depth <= 0 or a < min_prob:
+        return []
+    # (-chance, tiebreak, parent node, rank, depth): a child is offered once its parent is
+    # taken, a sibling once the one drawn before it is; chances only shrink along both
+    heap = [(-a, 0, -1, 0, 1)]
+    taken: list[tuple[int, int, int]] = []  # (parent, rank, depth) in order of chance
+    while heap and len(taken) < max_nodes:
+        neg, _, parent, rank, level = heapq.heappop(heap)
+        if -neg < min_prob:
+            break
+        node = len(taken)
+        taken.append((parent, rank, level))
+        if rank + 1 < width:
+            heapq.heappush(heap, (neg * (1 - a), len(taken) * 2, parent, rank + 1, level))
+        if level < depth:
+            heapq.heappush(heap, (neg * a, len(taken) * 2 + 1, node, 0, level + 1))
+    # breadth first, siblings by rank: a prefix of the nodes keeps a prefix of every node's
+    # children (the scheduler's budget may cut a tree to its first nodes)
+    order = sorted(range(len(taken)), key=lambda n: _bfs_key(taken, n))
+    where = {n: j for j, n in enumerate(order)}
+    return [-1 if taken[n][0] < 0 else where[taken[n][0]] for n in order]
+
+
+def _bfs_key(taken: list[tuple[int, int, int]], n: int) -> tuple:
+    """Depth, then the ranks along the path from the root (a breadth-first order)."""
+    ranks = []
+    while n >= 0:
+        parent, rank, _ = taken[n]
+        ranks.append(rank)
+        n = parent
+    return (len(ranks), tuple(reversed(ranks)))
+
+
+def sampled_confidence(parents: list[int], acceptance: float) -> list[float]:
+    """Each node's chance of acceptance under `sampled_shape`'s model (its prediction)."""
+    a = min(max(acceptance, 0.05), 0.95)
+    out, seen = [], {}
+    for parent in parents:
+        rank = seen.get(parent, 0)
+        seen[parent] = rank + 1
+        out.append((1.0 if parent < 0 else out[parent]) * a * (1 - a) ** rank)
+    return out
+
+
+def grow_sampled(model: TreeModel, draft_sampler, seqs: list[Sequence],
+                 shapes: list[list[int]], acceptance: list[float]) -> Proposal:
+    """Sampled trees of the given shapes (`sampled_shape`; [] for none; the proposer reserved
+    the slots of every node that has children): level by level, the rows of the nodes with
+    children run and each one's children are drawn from its q without replacement. The
+    proposal's probs: per sequence its q rows [1 + nodes, V] (the root's, then each node's;
+    a leaf's row is zero: never read)."""
+    marks, forwards = Marks(draft_sampler.device), []
+    ids: list[list[int]] = [[0] * len(shape) for shape in shapes]
+    probs: list[torch.Tensor | None] = [None] * len(seqs)
+    kids: list[dict[int, list[int]]] = []
+    for shape in shapes:
+        by_parent: dict[int, list[int]] = {}
+        for j, parent in enumerate(shape):
+            by_parent.setdefault(parent, []).append(j)
+        kids.append(by_parent)
+    nodes: dict[tuple[int, int], Node] = {}  # (sequence, node) -> the node, once drawn
+    expanded = [0] * len(seqs)
+    owners: list[tuple[int, int]] = [(i, -1) for i, shape in enumerate(shapes) if shape]
+    level = 0
+    while owners:
+        start = marks.mark()
+        logits, states, rows = _run_level(model, level, [
+            (seqs[i], None if j < 0 else nodes[i, j]) for i, j in owners])
+        q = _q_rows(draft_sampler, logits, [(seqs[i], None if j < 0 else nodes[i, j])
+                                            for i, j in owners])
+        drawn = _draw_without_replacement(q, [len(kids[i][j]) for i, j in owners],
+                                          draft_sampler.generator)
+        forwards.append((rows, len({i for i, _ in owners}), start, marks.mark()))
+        level += 1
+        for r, (i, j) in enumerate(owners):
+            if probs[i] is None:
+                probs[i] = q.new_zeros((1 + len(shapes[i]), q.shape[1]))
+            probs[i][1 + j] = q[r]
+            parent = None if j < 0 else nodes[i, j]
+            for child, token in zip(kids[i][j], drawn[r]):
+                ids[i][child] = token
+                nodes[i, child] = Node(token, 0.0, level, parent, states[r], child)
+        owners = []
+        for i, shape in enumerate(shapes):
+            for j, parent in enumerate(shape):
+                node = nodes.get((i, j))
+                if node is not None and node.depth == level and j in kids[i]:
+                    node.slot = seqs[i].num_tokens + expanded[i]
+                    expanded[i] += 1
+                    owners.append((i, j))
+    # a node q could not draw (fewer tokens of nonzero probability than its children: a
+    # property of q, not of a draw) goes, with its subtree
+    out_ids, out_probs, out_parents = [], [], []
+    for i, shape in enumerate(shapes):
+        keep = [j for j in range(len(shape)) if (i, j) in nodes]
+        where = {j: n for n, j in enumerate(keep)}
+        out_ids.append([ids[i][j] for j in keep])
+        out_parents.append([-1 if shape[j] < 0 else where[shape[j]] for j in keep])
+        out_probs.append(None if probs[i] is None or not keep else probs[i][
+            device_io.to_device([0, *(1 + j for j in keep)], torch.long, probs[i].device)])
+    return Proposal(out_ids, out_probs, forwards, marks, parents=out_parents,
+                    confidence=[sampled_confidence(s, a)
+                                for s, a in zip(out_parents, acceptance)])
+
+
+def _q_rows(draft_sampler, logits: torch.Tensor, rows: list[tuple[Sequence, Node | None]]
+            ) -> torch.Tensor:
+    """[R, V] q after each row: the processed distribution (the verifier's settings,
+    penalties over the row's path)."""
+    specs = [draft_sampler.row(seq, 0 if n is None else n.depth,
+                               [] if n is None else n.path_tokens()) for seq, n in rows]
+    tensors = sampler.build_sampling_tensors(specs, logits.shape[-1], logits.device,
+                                             cache=draft_sampler.settings)
+    return torch.softmax(sampler.process_logits(logits, tensors), dim=-1)
+
+
+def _draw_without_replacement(q: torch.Tensor, counts: list[int],
+                              generator: torch.Generator) -> list[list[int]]:
+    """Per row its first counts[r] draws from q without replacement, in draw order: the
+    largest log q + Gumbel noise (Gumbel top-k), never a token of zero probability."""
+    k = max(counts, default=0)
+    if not k:
+        return [[] for _ in counts]
+    gumbel = -torch.log(torch.empty_like(q).exponential_(generator=generator))
+    keys = torch.where(q > 0, q.log() + gumbel, float("-inf"))
+    score, index = keys.topk(min(k, q.shape[1]), dim=-1)
+    score, index = device_io.lists(score, index)
+    return [[t for s, t in zip(sr[:c], ir[:c]) if s != float("-inf")]
+            for sr, ir, c in zip(score, index, counts)]
