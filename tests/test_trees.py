@@ -197,6 +197,12 @@ def test_sampled_shape_is_a_tree_of_its_most_likely_nodes():
         p == -1 for p in deep)
     assert sampled_shape(0.5, 2, 8, 3, min_prob=0.6) == []  # nothing pays for its row
     assert len(sampled_shape(0.5, 2, 100, 3, 0.0)) == 2 + 4 + 8  # a full tree of depth 3
+    # the plan's chain (spine) is kept whatever its chances and the budget, branches beside it
+    spine = sampled_shape(0.3, 4, 3, 6, min_prob=0.2, spine=5)
+    assert spine == [-1, 0, 1]
+    assert sampled_shape(0.3, 4, 16, 6, 0.2, spine=3) == [-1, -1, 0, 2]
+    # a level below the first only where its chances sum to the price of its draft forward
+    assert max(len(p) for p in tree_paths(sampled_shape(0.6, 4, 16, 6, 0.01, 0.5))) == 2
 
 
 # -- tree_verify: the verification of trees, a pure function --------------------------------

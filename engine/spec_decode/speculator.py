@@ -300,6 +300,7 @@ class Speculator(NoSpeculation):
             self._propose_with([s for s, _, _ in chains], [k for _, k, _ in chains])
         if trees:
             self._propose_trees([s for s, _, _ in trees], [r for _, _, r in trees],
+                                [k for _, k, _ in trees],
                                 *self.guard.tree_prices(choice))
         if self.lookahead is not None and mode != "plain":  # (priced at the pass's size with
             # every other draft of the step in it)
@@ -400,12 +401,13 @@ class Speculator(NoSpeculation):
             self._set_drafts(seq, proposal.token_ids[j] if device is None else None, q,
                              (self.method, 0), device, k)
 
-    def _propose_trees(self, seqs: list[Sequence], rooms: list[int], min_prob: float,
-                       min_level: float) -> None:
+    def _propose_trees(self, seqs: list[Sequence], rooms: list[int], ks: list[int],
+                       min_prob: float, min_level: float) -> None:
         """The proposer's token trees for `seqs`: as deep as k_max (or their room) allows, of
         at most tree_max_nodes nodes inside the context, each node at least `min_prob` likely
         (the guard's price of a row), a level only where its nodes sum to `min_level` (the
-        price of a draft forward); a tree that came out a chain is verified as one."""
+        price of a draft forward); a tree that came out a chain is verified as one. A sampled
+        tree keeps the chain of the k the plan chose (`ks`) and branches beside it."""
         depths = [min(self.config.k_max, room) for room in rooms]
         caps = [min(self.tree_nodes, self.max_model_len - s.num_tokens) for s in seqs]
         sampled = [self._sampled_tree(s) for s in seqs]
@@ -417,7 +419,8 @@ class Speculator(NoSpeculation):
             if which:  # shapes from each one's acceptance estimate, drawn from q
                 alphas = [self._state(seqs[i]).acceptance or 0.0 for i in part]
                 shapes = [tree_draft.sampled_shape(a, self.guard.tree_width, caps[i], depths[i],
-                                                   min_prob) for a, i in zip(alphas, part)]
+                                                   min_prob, min_level, spine=ks[i])
+                          for a, i in zip(alphas, part)]
                 proposal = self.proposer.propose_sampled_tree([seqs[i] for i in part], shapes,
                                                               alphas)
             else:

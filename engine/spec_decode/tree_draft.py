@@ -190,33 +190,49 @@ def _best_trees(nodes: list[list[Node]], max_nodes: list[int], min_prob: float,
 
 
 def sampled_shape(acceptance: float, width: int, max_nodes: int, depth: int,
-                  min_prob: float) -> list[int]:
+                  min_prob: float, min_level: float = 0.0, spine: int = 0) -> list[int]:
     """The parents of a sampled tree's nodes (-1: the root), parents first and each node's
     children in their draw order: the at most `max_nodes` nodes within `depth` levels most
     likely to be accepted, each at least `min_prob`, under acceptance `acceptance` per child
     tried: a node is accepted when its path's ancestors were, the siblings drawn before it were
     rejected and it was not: the product over its path of a * (1 - a)^rank. At most `width`
-    children a node. It reads no token, so it cannot bias the draws."""
+    children a node; a level below the first only where its nodes' chances sum to `min_level`
+    (what its draft forward must add, as `grow`'s). `spine`: the chain of that many first
+    children is kept whatever its chances (the k the plan chose for a chain, whose costs it
+    weighed); the tree branches beside it. It reads no token, so it cannot bias the draws."""
     a = min(max(acceptance, 0.05), 0.95)
-    if max_nodes <= 0 or depth <= 0 or a < min_prob:
+    spine = min(spine, depth, max_nodes)
+    if max_nodes <= 0 or depth <= 0 or (a < min_prob and not spine):
         return []
     # (-chance, tiebreak, parent node, rank, depth): a child is offered once its parent is
     # taken, a sibling once the one drawn before it is; chances only shrink along both
-    heap = [(-a, 0, -1, 0, 1)]
+    # (off the spine, -chance, tiebreak, parent node, rank, depth): the spine first
+    heap = [(spine < 1, -a, 0, -1, 0, 1)]
     taken: list[tuple[int, int, int]] = []  # (parent, rank, depth) in order of chance
     while heap and len(taken) < max_nodes:
-        neg, _, parent, rank, level = heapq.heappop(heap)
-        if -neg < min_prob:
+        off, neg, _, parent, rank, level = heapq.heappop(heap)
+        if off and -neg < min_prob:
             break
         node = len(taken)
         taken.append((parent, rank, level))
         if rank + 1 < width:
-            heapq.heappush(heap, (neg * (1 - a), len(taken) * 2, parent, rank + 1, level))
+            heapq.heappush(heap, (True, neg * (1 - a), len(taken) * 2, parent, rank + 1, level))
         if level < depth:
-            heapq.heappush(heap, (neg * a, len(taken) * 2 + 1, node, 0, level + 1))
+            heapq.heappush(heap, (off or level + 1 > spine, neg * a, len(taken) * 2 + 1, node,
+                                  0, level + 1))
     # breadth first, siblings by rank: a prefix of the nodes keeps a prefix of every node's
     # children (the scheduler's budget may cut a tree to its first nodes)
-    order = sorted(range(len(taken)), key=lambda n: _bfs_key(taken, n))
+    chances = [a * (1 - a) ** rank for _, rank, _ in taken]
+    for n, (parent, _, _) in enumerate(taken):
+        chances[n] *= 1.0 if parent < 0 else chances[parent]
+    level_sums: dict[int, float] = {}
+    for n, (_, _, level) in enumerate(taken):
+        level_sums[level] = level_sums.get(level, 0.0) + chances[n]
+    last = max(1, spine)
+    while last + 1 in level_sums and level_sums[last + 1] >= min_level:
+        last += 1
+    kept = [n for n in range(len(taken)) if taken[n][2] <= last]
+    order = sorted(kept, key=lambda n: _bfs_key(taken, n))
     where = {n: j for j, n in enumerate(order)}
     return [-1 if taken[n][0] < 0 else where[taken[n][0]] for n in order]
 
