@@ -31,7 +31,10 @@ Workloads (prompts written for this project's benchmarks, no external dataset):
   the answers open with a sentence before the code;
 - repeated: the 8 chat requests issued three times in a row, as an agent loop re-issues its
   requests (the second and third rounds can be drafted from the first round's outputs);
-- chat_t0.7: the chat requests at temperature 0.7, seeded.
+- chat_t0.7: the chat requests at temperature 0.7, seeded (under coupled verification the
+  target's keyed pick verifies them, as greedy ones);
+- chat_t0.7_unseeded (`--trees` only): the same, unseeded: verified by rejection sampling, with
+  the proposer's sampled trees against its sampled chains.
 Each runs at concurrency 1 (one request at a time, the first `--c1-prompts` prompts: 4 by
 default, to fit the run in half an hour on 2 cores) and 8 (all 8 at once; repeated: one round
 of 8 after the other); plain and hybrid also chat at 16 (the 8 prompts twice). Every (method, workload,
@@ -121,7 +124,7 @@ def tree_result(rates: dict, accept_len: dict) -> str:
         if (m, "chat", 1) in rates and (m + "_chain", "chat", 1) in rates:
             parts.append(f"tree_vs_chain_{key}_chat="
                          f"{rates[m, 'chat', 1] / rates[m + '_chain', 'chat', 1]:.2f}")
-    for w in ("chat", "code_edit", "repeated", "chat_t0.7"):
+    for w in ("chat", "code_edit", "repeated", "chat_t0.7", "chat_t0.7_unseeded"):
         for c in (1, 8):
             for m in tree_methods:
                 if (m, w, c) in rates and (m + "_chain", w, c) in rates:
@@ -454,6 +457,9 @@ def main() -> int:
         "repeated": ([chat, chat, chat], greedy, (1, 8)),
         "chat_t0.7": ([chat], sampled, (1, 8)),
     }
+    if args.trees:  # unseeded: verified by rejection sampling, with sampled trees
+        workloads["chat_t0.7_unseeded"] = ([chat], SamplingParams(
+            temperature=0.7, max_tokens=max_tokens, ignore_eos=True), (1, 8))
     rates: dict[tuple[str, str, int], float] = {}
     # (engine's method, proposing method, workload, concurrency) -> tokens per verification
     accept_len: dict[tuple[str, str, str, int], float] = {}
@@ -531,7 +537,7 @@ def main() -> int:
                                                              + plain_rates[i + 1]) / 2)
                              for i, p in enumerate(passes)]
                 spread = f"{min(per_round):.2f}-{max(per_round):.2f}"
-                same = ("" if name == "chat_t0.7" else
+                same = ("" if name.startswith("chat_t0.7") else
                         f"{sum(a == b for a, b in zip(outs, plain_out[name, c]))}/{len(outs)}")
                 if same:
                     identical[method, name, c] = same
