@@ -15,6 +15,7 @@ import fcntl
 import functools
 import hashlib
 import logging
+import os
 from pathlib import Path
 
 log = logging.getLogger("specserve.engine")
@@ -72,7 +73,9 @@ def _build(source: str, flags: tuple[str, ...], cflags: tuple[str, ...]):
     if not any(where.glob("*.so")):
         log.info("compiling the CPU kernel %s into %s (once per machine)", source, where)
     try:
-        with open(where / "build.flock", "w") as turn:
+        # (read-only: a lock file another user created serves too; flock needs no write)
+        turn = os.open(where / "build.flock", os.O_RDONLY | os.O_CREAT, 0o666)
+        try:
             fcntl.flock(turn, fcntl.LOCK_EX)  # (every builder of the folder holds it first, so
             (where / "lock").unlink(missing_ok=True)  # torch's lock here is a dead one's)
             return build(name=name, sources=[str(path)],
@@ -80,6 +83,8 @@ def _build(source: str, flags: tuple[str, ...], cflags: tuple[str, ...]):
                          + [f"-m{f.replace('_', '')}" for f in flags] + list(cflags),
                          extra_ldflags=["-fopenmp"],  # libgomp.so.1: the one torch has loaded
                          build_directory=str(where), verbose=False)
+        finally:
+            os.close(turn)
     except Exception as exc:  # noqa: BLE001 - no compiler, no headers: say so, use torch's
         return f"it did not compile ({type(exc).__name__}: {str(exc)[-300:]})"
 

@@ -418,15 +418,13 @@ def _q_tree_accept(probs: torch.Tensor, g: _TreeGrid, trees: TreeOwners, ids: to
     device = probs.device
     m = len(g.tree_of)
     owners, q_rows = [], []  # (tree, candidate) of each node with children in a q tree
-    children = g.children.cpu().numpy()  # (host: the grid was built there)
     for t, q in enumerate(trees.q):
         if q is None or trees.by_pick[t]:
             continue
-        for c in range(1 + len(trees.parents[t])):
-            if children[t, c, 0] < m:
-                owners.append((t, c))
-                q_rows.append(q[c])
-    index = torch.full(tuple(children.shape[:2]), -1, dtype=torch.long)
+        for c in sorted({1 + p for p in trees.parents[t]}):  # (the host's: no device read)
+            owners.append((t, c))
+            q_rows.append(q[c])
+    index = torch.full(tuple(g.children.shape[:2]), -1, dtype=torch.long)
     if not owners:
         return accepted, (index.to(device), probs.new_zeros((0, probs.shape[1])))
     at = torch.tensor(owners, dtype=torch.long)
