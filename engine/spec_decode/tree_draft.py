@@ -264,7 +264,7 @@ def grow_sampled(model: TreeModel, draft_sampler, seqs: list[Sequence],
     the slots of every node that has children): level by level, the rows of the nodes with
     children run and each one's children are drawn from its q without replacement. The
     proposal's probs: per sequence its q rows [1 + nodes, V] (the root's, then each node's;
-    a leaf's row is zero: never read)."""
+    a leaf's row is unset: never read)."""
     marks, forwards = Marks(draft_sampler.device), []
     ids: list[list[int]] = [[0] * len(shape) for shape in shapes]
     probs: list[torch.Tensor | None] = [None] * len(seqs)
@@ -289,8 +289,8 @@ def grow_sampled(model: TreeModel, draft_sampler, seqs: list[Sequence],
         forwards.append((rows, len({i for i, _ in owners}), start, marks.mark()))
         level += 1
         for r, (i, j) in enumerate(owners):
-            if probs[i] is None:
-                probs[i] = q.new_zeros((1 + len(shapes[i]), q.shape[1]))
+            if probs[i] is None:  # (a leaf's row stays unset: never read)
+                probs[i] = q.new_empty((1 + len(shapes[i]), q.shape[1]))
             probs[i][1 + j] = q[r]
             parent = None if j < 0 else nodes[i, j]
             for child, token in zip(kids[i][j], drawn[r]):
@@ -312,7 +312,8 @@ def grow_sampled(model: TreeModel, draft_sampler, seqs: list[Sequence],
         where = {j: n for n, j in enumerate(keep)}
         out_ids.append([ids[i][j] for j in keep])
         out_parents.append([-1 if shape[j] < 0 else where[shape[j]] for j in keep])
-        out_probs.append(None if probs[i] is None or not keep else probs[i][
+        out_probs.append(None if probs[i] is None or not keep
+                         else probs[i] if len(keep) == len(shape) else probs[i][
             device_io.to_device([0, *(1 + j for j in keep)], torch.long, probs[i].device)])
     return Proposal(out_ids, out_probs, forwards, marks, parents=out_parents,
                     confidence=[sampled_confidence(s, a)
