@@ -185,8 +185,9 @@ def test_sampled_shape_is_a_tree_of_its_most_likely_nodes():
     assert len(shape) == 10 and shape[0] == -1
     conf = sampled_confidence(shape, 0.6)
     assert conf[0] == pytest.approx(0.6) and min(conf) >= 0.01
-    # breadth first: a node's children follow it, in rank order, and every prefix is a tree
+    # likeliest first: a node's children follow it, in rank order, and every prefix is a tree
     assert all(p < j for j, p in enumerate(shape))
+    assert conf == sorted(conf, reverse=True)
     for k in range(1, len(shape)):
         check_tree(shape[:k])
     # a likelier acceptance goes deeper, an unlikely one wider
@@ -200,7 +201,7 @@ def test_sampled_shape_is_a_tree_of_its_most_likely_nodes():
     # the plan's chain (spine) is kept whatever its chances and the budget, branches beside it
     spine = sampled_shape(0.3, 4, 3, 6, min_prob=0.2, spine=5)
     assert spine == [-1, 0, 1]
-    assert sampled_shape(0.3, 4, 16, 6, 0.2, spine=3) == [-1, -1, 0, 2]
+    assert sampled_shape(0.3, 4, 16, 6, 0.2, spine=3) == [-1, 0, 1, -1]
     # a level below the first only where its chances sum to the price of its draft forward
     assert max(len(p) for p in tree_paths(sampled_shape(0.6, 4, 16, 6, 0.01, 0.5))) == 2
 

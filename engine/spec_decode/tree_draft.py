@@ -192,7 +192,7 @@ def _best_trees(nodes: list[list[Node]], max_nodes: list[int], min_prob: float,
 def sampled_shape(acceptance: float, width: int, max_nodes: int, depth: int,
                   min_prob: float, min_level: float = 0.0, spine: int = 0) -> list[int]:
     """The parents of a sampled tree's nodes (-1: the root), parents first and each node's
-    children in their draw order: the at most `max_nodes` nodes within `depth` levels most
+    children in their draw order, likeliest first: the at most `max_nodes` nodes within `depth` levels most
     likely to be accepted, each at least `min_prob`, under acceptance `acceptance` per child
     tried: a node is accepted when its path's ancestors were, the siblings drawn before it were
     rejected and it was not: the product over its path of a * (1 - a)^rank. At most `width`
@@ -204,11 +204,14 @@ def sampled_shape(acceptance: float, width: int, max_nodes: int, depth: int,
     spine = min(spine, depth, max_nodes)
     if max_nodes <= 0 or depth <= 0 or (a < min_prob and not spine):
         return []
-    # (-chance, tiebreak, parent node, rank, depth): a child is offered once its parent is
-    # taken, a sibling once the one drawn before it is; chances only shrink along both
-    # (off the spine, -chance, tiebreak, parent node, rank, depth): the spine first
+    # (off the spine, -chance, tiebreak, parent node, rank, depth), the spine first: a child
+    # is offered once its parent is taken, a sibling once the one drawn before it is; chances
+    # only shrink along both
     heap = [(spine < 1, -a, 0, -1, 0, 1)]
-    taken: list[tuple[int, int, int]] = []  # (parent, rank, depth) in order of chance
+    # (parent, rank, depth): the spine, then in order of chance; a parent before its children,
+    # siblings by rank, so the first nodes are a tree with a prefix of every node's children
+    # (the scheduler's budget may cut a tree to its first nodes: the likeliest stay)
+    taken: list[tuple[int, int, int]] = []
     while heap and len(taken) < max_nodes:
         off, neg, _, parent, rank, level = heapq.heappop(heap)
         if off and -neg < min_prob:
@@ -220,8 +223,6 @@ def sampled_shape(acceptance: float, width: int, max_nodes: int, depth: int,
         if level < depth:
             heapq.heappush(heap, (off or level + 1 > spine, neg * a, len(taken) * 2 + 1, node,
                                   0, level + 1))
-    # breadth first, siblings by rank: a prefix of the nodes keeps a prefix of every node's
-    # children (the scheduler's budget may cut a tree to its first nodes)
     chances = [a * (1 - a) ** rank for _, rank, _ in taken]
     for n, (parent, _, _) in enumerate(taken):
         chances[n] *= 1.0 if parent < 0 else chances[parent]
@@ -231,20 +232,9 @@ def sampled_shape(acceptance: float, width: int, max_nodes: int, depth: int,
     last = max(1, spine)
     while last + 1 in level_sums and level_sums[last + 1] >= min_level:
         last += 1
-    kept = [n for n in range(len(taken)) if taken[n][2] <= last]
-    order = sorted(kept, key=lambda n: _bfs_key(taken, n))
-    where = {n: j for j, n in enumerate(order)}
-    return [-1 if taken[n][0] < 0 else where[taken[n][0]] for n in order]
-
-
-def _bfs_key(taken: list[tuple[int, int, int]], n: int) -> tuple:
-    """Depth, then the ranks along the path from the root (a breadth-first order)."""
-    ranks = []
-    while n >= 0:
-        parent, rank, _ = taken[n]
-        ranks.append(rank)
-        n = parent
-    return (len(ranks), tuple(reversed(ranks)))
+    kept = [n for n in range(len(taken)) if taken[n][2] <= last]  # (whole levels go)
+    where = {n: j for j, n in enumerate(kept)}
+    return [-1 if taken[n][0] < 0 else where[taken[n][0]] for n in kept]
 
 
 def sampled_confidence(parents: list[int], acceptance: float) -> list[float]:
