@@ -179,6 +179,7 @@ def make_engine(method, target, draft, tok, k_max, draft_vocab_size, speculator=
                              speculator=folder,
                              k_max=k_max, adaptive=adaptive,
                              draft_vocab_size=draft_vocab_size, tree_max_nodes=tree_nodes,
+                             sampled_trees=tree_nodes > 0,
                              lookahead=lookahead)
     uses_draft = method in ("draft_model", "hybrid")  # (a "_chain" method's too)
     return LLMEngine(EngineConfig(kv_cache_memory_gb=1.5, max_num_seqs=32,

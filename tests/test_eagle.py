@@ -261,11 +261,12 @@ def test_a_prompt_keeps_at_most_prompt_wait_rows_features(trained, monkeypatch):
     assert engine.speculator.stats.num_accepted_tokens > 0
 
 
-@pytest.mark.parametrize("seeded", [True, False])
-def test_eagle_sampled_output_keeps_the_target_distribution(tmp_path, seeded):
+@pytest.mark.parametrize("seeded,sampled_trees", [(True, True), (False, True), (False, False)])
+def test_eagle_sampled_output_keeps_the_target_distribution(tmp_path, seeded, sampled_trees):
     """Rejection sampling of the head's drafts, trees on: a seeded request (verification
     "rejection") drafts chains sampled from q; an unseeded one the head's sampled trees
-    (children drawn from q without replacement, verified with q)."""
+    (children drawn from q without replacement, verified with q) where `sampled_trees` is on,
+    chains where it is off."""
     target, _, prompt = distribution_pair()
     head = untrained_head(target, tmp_path / "head")
     n = 2400
@@ -276,10 +277,11 @@ def test_eagle_sampled_output_keeps_the_target_distribution(tmp_path, seeded):
 
     plain = third_tokens(make_engine(target), prompt, [params(s) for s in range(n)])
     engine = make_engine(target, "eagle", speculator=head, k_max=3, verification="rejection",
-                         tree_max_nodes=8)
+                         tree_max_nodes=8, sampled_trees=sampled_trees)
     spec = third_tokens(engine, prompt, [params(s) for s in range(n, 2 * n)])
     assert 0.05 < engine.speculator.stats.acceptance_rate < 0.99
-    assert (engine.speculator.stats.num_tree_verifications == 0) == seeded
+    trees = engine.speculator.stats.num_tree_verifications
+    assert (trees > 0) == (sampled_trees and not seeded)
     assert same_distribution_pvalue(plain, spec) > 0.001
 
 

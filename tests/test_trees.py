@@ -155,7 +155,8 @@ def test_sampled_trees_of_the_draft_model_keep_the_targets_distribution():
     n = 2400
     params = SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True)
     plain = _first_tokens(make_engine(target, seed=11), prompt, [params] * n)
-    engine = make_engine(target, "draft_model", draft, k_max=3, tree_max_nodes=8, seed=12)
+    engine = make_engine(target, "draft_model", draft, k_max=3, tree_max_nodes=8, seed=12,
+                         sampled_trees=True)
     branched = []
     verify = engine.verifier.verify
 
@@ -174,6 +175,14 @@ def test_sampled_trees_of_the_draft_model_keep_the_targets_distribution():
     assert st.tree_verifications_by_method.get("draft_model", 0) > 0
     assert 0.05 < st.acceptance_rate < 0.99
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_sampled_trees_option_is_checked_and_off_by_default():
+    from engine.config import SpeculativeConfig
+
+    assert SpeculativeConfig().sampled_trees is False
+    with pytest.raises(ValueError, match="sampled_trees"):
+        SpeculativeConfig(method="draft_model", draft_model="d", sampled_trees="yes")
 
 
 def test_sampled_shape_is_a_tree_of_its_most_likely_nodes():

@@ -374,13 +374,15 @@ class Speculator(NoSpeculation):
 
     def _sampled_tree(self, seq: Sequence) -> bool:
         """A sequence verified by rejection sampling gets a sampled tree (children drawn from
-        q without replacement, verified with q) where the proposer drafts them, the request
+        q without replacement, verified with q) where `sampled_trees` is on, the proposer
+        drafts them, the request
         is unseeded (a seeded one's draws would need keyed streams: it keeps chains) and no
         grammar prunes the tree (a node cut for its token would bias the draws). A tree of the
         most probable tokens (one-hot) would be accepted with the target's probability of
         each, far less than sampled drafts where the distribution is flat."""
-        return (getattr(self.proposer, "sampled_trees", False) and seq.params.seed is None
-                and seq.matcher is None and not by_pick(seq.params, self.coupled))
+        return (self.config.sampled_trees and getattr(self.proposer, "sampled_trees", False)
+                and seq.params.seed is None and seq.matcher is None
+                and not by_pick(seq.params, self.coupled))
 
     def _backlog(self, seq: Sequence) -> int:
         """Tokens the proposer must catch up on before it drafts for `seq`."""
