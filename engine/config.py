@@ -172,15 +172,18 @@ class SpeculativeConfig:
                              "1..256")
         if not self.suffix_spec_factor > 0:
             raise ValueError("invalid speculative config suffix_spec_factor: must be > 0")
+        self._check_trees()
+        if not 0.0 <= self.suffix_min_token_prob <= 1.0:
+            raise ValueError("invalid speculative config suffix_min_token_prob: must be in "
+                             "[0, 1]")
+
+    def _check_trees(self) -> None:
         if not isinstance(self.tree_max_nodes, int) or not 0 <= self.tree_max_nodes <= 64:
             raise ValueError(f"invalid speculative config tree_max_nodes: "
                              f"{self.tree_max_nodes!r}, must be in 0..64 (0: chains only)")
         if not isinstance(self.sampled_trees, bool):
             raise ValueError(f"invalid speculative config sampled_trees: "
                              f"{self.sampled_trees!r}, must be true or false")
-        if not 0.0 <= self.suffix_min_token_prob <= 1.0:
-            raise ValueError("invalid speculative config suffix_min_token_prob: must be in "
-                             "[0, 1]")
 
     def _check_lookahead(self) -> None:
         if isinstance(self.lookahead, dict):
