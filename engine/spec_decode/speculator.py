@@ -380,8 +380,8 @@ class Speculator(NoSpeculation):
         grammar prunes the tree (a node cut for its token would bias the draws). A tree of the
         most probable tokens (one-hot) would be accepted with the target's probability of
         each, far less than sampled drafts where the distribution is flat."""
-        return (self.config.sampled_trees and getattr(self.proposer, "sampled_trees", False)
-                and seq.params.seed is None and seq.matcher is None
+        return (self.config.sampled_trees and self.proposer is not None
+                and self.proposer.sampled_trees and seq.params.seed is None and seq.matcher is None
                 and not by_pick(seq.params, self.coupled))
 
     def _backlog(self, seq: Sequence) -> int:

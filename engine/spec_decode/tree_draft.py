@@ -161,15 +161,23 @@ def _run_level(model: TreeModel, level: int, items: list[tuple[Sequence, Node | 
 def _best_children(draft_sampler, logits: torch.Tensor, seqs: list[Sequence],
                    owners: list[tuple[int, Node | None]], width: int
                    ) -> tuple[list[list[float]], list[list[int]]]:
-    """Per row the `width` most probable next tokens under the processed distribution (the
-    settings the verifier applies, penalties over the row's path), with their log-probs."""
-    specs = [draft_sampler.row(seqs[i], 0 if n is None else n.depth,
-                               [] if n is None else n.path_tokens()) for i, n in owners]
-    tensors = sampler.build_sampling_tensors(specs, logits.shape[-1], logits.device,
-                                             cache=draft_sampler.settings)
-    logp = torch.log_softmax(sampler.process_logits(logits, tensors), dim=-1)
+    """Per row the `width` most probable next tokens under the processed distribution, with
+    their log-probs."""
+    logp = torch.log_softmax(_processed(draft_sampler, logits, [(seqs[i], n) for i, n in owners]),
+                             dim=-1)
     top, ids = logp.topk(min(width, logp.shape[-1]), dim=-1)
     return device_io.lists(top, ids)
+
+
+def _processed(draft_sampler, logits: torch.Tensor, rows: list[tuple[Sequence, Node | None]]
+               ) -> torch.Tensor:
+    """[R, V] the processed logits after each row (the settings the verifier applies,
+    penalties over the row's path)."""
+    specs = [draft_sampler.row(seq, 0 if n is None else n.depth,
+                               [] if n is None else n.path_tokens()) for seq, n in rows]
+    tensors = sampler.build_sampling_tensors(specs, logits.shape[-1], logits.device,
+                                             cache=draft_sampler.settings)
+    return sampler.process_logits(logits, tensors)
 
 
 def _best_trees(nodes: list[list[Node]], max_nodes: list[int], min_prob: float,
@@ -192,14 +200,15 @@ def _best_trees(nodes: list[list[Node]], max_nodes: list[int], min_prob: float,
 def sampled_shape(acceptance: float, width: int, max_nodes: int, depth: int,
                   min_prob: float, min_level: float = 0.0, spine: int = 0) -> list[int]:
     """The parents of a sampled tree's nodes (-1: the root), parents first and each node's
-    children in their draw order, likeliest first: the at most `max_nodes` nodes within `depth` levels most
-    likely to be accepted, each at least `min_prob`, under acceptance `acceptance` per child
-    tried: a node is accepted when its path's ancestors were, the siblings drawn before it were
-    rejected and it was not: the product over its path of a * (1 - a)^rank. At most `width`
-    children a node; a level below the first only where its nodes' chances sum to `min_level`
-    (what its draft forward must add, as `grow`'s). `spine`: the chain of that many first
-    children is kept whatever its chances (the k the plan chose for a chain, whose costs it
-    weighed); the tree branches beside it. It reads no token, so it cannot bias the draws."""
+    children in their draw order, likeliest first: the at most `max_nodes` nodes within `depth`
+    levels most likely to be accepted, each at least `min_prob`, under acceptance `acceptance`
+    per child tried: a node is accepted when its path's ancestors were, the siblings drawn
+    before it were rejected and it was not: the product over its path of a * (1 - a)^rank. At
+    most `width` children a node; a level below the first only where its nodes' chances sum
+    to `min_level` (what its draft forward must add, as `grow`'s). `spine`: the chain of that
+    many first children is kept whatever its chances (the k the plan chose for a chain, whose
+    costs it weighed); the tree branches beside it. It reads no token, so it cannot bias the
+    draws."""
     a = min(max(acceptance, 0.05), 0.95)
     spine = min(spine, depth, max_nodes)
     if max_nodes <= 0 or depth <= 0 or (a < min_prob and not spine):
@@ -223,9 +232,7 @@ def sampled_shape(acceptance: float, width: int, max_nodes: int, depth: int,
         if level < depth:
             heapq.heappush(heap, (off or level + 1 > spine, neg * a, len(taken) * 2 + 1, node,
                                   0, level + 1))
-    chances = [a * (1 - a) ** rank for _, rank, _ in taken]
-    for n, (parent, _, _) in enumerate(taken):
-        chances[n] *= 1.0 if parent < 0 else chances[parent]
+    chances = sampled_confidence([parent for parent, _, _ in taken], a)  # (siblings by rank)
     level_sums: dict[int, float] = {}
     for n, (_, _, level) in enumerate(taken):
         level_sums[level] = level_sums.get(level, 0.0) + chances[n]
@@ -270,10 +277,9 @@ def grow_sampled(model: TreeModel, draft_sampler, seqs: list[Sequence],
     level = 0
     while owners:
         start = marks.mark()
-        logits, states, rows = _run_level(model, level, [
-            (seqs[i], None if j < 0 else nodes[i, j]) for i, j in owners])
-        q = _q_rows(draft_sampler, logits, [(seqs[i], None if j < 0 else nodes[i, j])
-                                            for i, j in owners])
+        items = [(seqs[i], None if j < 0 else nodes[i, j]) for i, j in owners]
+        logits, states, rows = _run_level(model, level, items)
+        q = torch.softmax(_processed(draft_sampler, logits, items), dim=-1)
         drawn = _draw_without_replacement(q, [len(kids[i][j]) for i, j in owners],
                                           draft_sampler.generator)
         forwards.append((rows, len({i for i, _ in owners}), start, marks.mark()))
@@ -288,7 +294,7 @@ def grow_sampled(model: TreeModel, draft_sampler, seqs: list[Sequence],
                 nodes[i, child] = Node(token, 0.0, level, parent, states[r], child)
         owners = []
         for i, shape in enumerate(shapes):
-            for j, parent in enumerate(shape):
+            for j in range(len(shape)):
                 node = nodes.get((i, j))
                 if node is not None and node.depth == level and j in kids[i]:
                     node.slot = seqs[i].num_tokens + expanded[i]
@@ -308,17 +314,6 @@ def grow_sampled(model: TreeModel, draft_sampler, seqs: list[Sequence],
     return Proposal(out_ids, out_probs, forwards, marks, parents=out_parents,
                     confidence=[sampled_confidence(s, a)
                                 for s, a in zip(out_parents, acceptance)])
-
-
-def _q_rows(draft_sampler, logits: torch.Tensor, rows: list[tuple[Sequence, Node | None]]
-            ) -> torch.Tensor:
-    """[R, V] q after each row: the processed distribution (the verifier's settings,
-    penalties over the row's path)."""
-    specs = [draft_sampler.row(seq, 0 if n is None else n.depth,
-                               [] if n is None else n.path_tokens()) for seq, n in rows]
-    tensors = sampler.build_sampling_tensors(specs, logits.shape[-1], logits.device,
-                                             cache=draft_sampler.settings)
-    return torch.softmax(sampler.process_logits(logits, tensors), dim=-1)
 
 
 def _draw_without_replacement(q: torch.Tensor, counts: list[int],
