@@ -57,6 +57,7 @@ class EngineStats:
     suffix_cache_tokens: int = 0
     tree_verifications: int = 0  # verifications of token trees
     tree_nodes: int = 0  # ... and their nodes
+    chain_steps_chosen: int = 0  # steps the guard drafted chains where trees were possible
     accepted_per_pos: list[int] = field(default_factory=list)
     # tokens emitted by each verification with drafts since the previous snapshot
     recent_lengths: list[int] = field(default_factory=list)
@@ -100,6 +101,7 @@ def snapshot(engine) -> EngineStats:
         stats.by_method = {m: (c[1], c[2]) for m, c in st.by_method.items()}
         stats.suffix_cache_tokens = st.suffix_cache_tokens
         stats.tree_verifications, stats.tree_nodes = st.num_tree_verifications, st.num_tree_nodes
+        stats.chain_steps_chosen = st.num_chain_steps_chosen
         stats.accepted_per_pos = list(st.accepted_per_pos)
         stats.recent_lengths = st.take_recent_lengths()
     return stats

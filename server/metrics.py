@@ -22,6 +22,8 @@ PromQL (the Grafana dashboard uses these):
                             / scalar(sum(rate(specserve:spec_decode_num_drafts_total[5m])))
 - mean token-tree size:     rate(specserve:spec_decode_num_tree_nodes_total[5m])
                             / rate(specserve:spec_decode_num_tree_verifications_total[5m])
+  (trees on, the guard drafts chains where trees realized less: the rate of
+  specserve:spec_decode_num_chain_steps_chosen_total counts those steps)
 - p50/p95/p99 latencies:    histogram_quantile(0.95, sum by (le) (rate(
                               specserve:time_to_first_token_seconds_bucket[5m])))
                             (likewise inter_token_latency_seconds, e2e_request_latency_seconds,
@@ -72,6 +74,9 @@ class Metrics:
                                                "Verifications whose drafts were a token tree")
         self.spec_tree_nodes = counter("spec_decode_num_tree_nodes",
                                        "Draft tokens verified in token trees (their nodes)")
+        self.spec_chain_steps = counter(
+            "spec_decode_num_chain_steps_chosen",
+            "Steps whose drafts were chains though trees were on: trees realized less there")
         self.spec_accepted_pos = counter("spec_decode_num_accepted_tokens_per_pos",
                                          "Draft tokens accepted at each draft position",
                                          ["position"])
@@ -144,6 +149,7 @@ class Metrics:
         self._mirror("tree_verifications", self.spec_tree_verifications,
                      stats.tree_verifications)
         self._mirror("tree_nodes", self.spec_tree_nodes, stats.tree_nodes)
+        self._mirror("chain_steps", self.spec_chain_steps, stats.chain_steps_chosen)
         for pos, count in enumerate(stats.accepted_per_pos):
             self._mirror(f"pos{pos}", self.spec_accepted_pos.labels(str(pos)), count)
         for length in stats.recent_lengths:

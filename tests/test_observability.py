@@ -106,6 +106,7 @@ METRICS = [
     "specserve:kv_cache_usage_perc", "specserve:spec_decode_k", "specserve:model_info",
     "specserve:spec_decode_suffix_cache_tokens", "specserve:spec_decode_num_tree_verifications_total",
     "specserve:spec_decode_num_tree_nodes_total",
+    "specserve:spec_decode_num_chain_steps_chosen_total",
 ]
 
 

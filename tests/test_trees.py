@@ -475,6 +475,80 @@ def test_a_heads_tree_confidences_are_calibrated_by_what_verification_accepts():
     assert guard.tree_prices(choice) == pytest.approx((0.4, 0.6))
 
 
+def _shape_steps(guard, tree_seconds, chain_seconds, steps=240):
+    """Decode steps of one sequence verifying 4 drafts and accepting 2, each as long as its
+    shape costs; the shapes the guard chose, in order."""
+    from engine.spec_decode.guard import StepRecord
+
+    class Clock:
+        @staticmethod
+        def seconds(start, end):
+            return end - start
+
+    now, chosen = 0.0, []
+    for _ in range(steps):
+        chosen.append(guard.trees(1))
+        seconds = tree_seconds if chosen[-1] else chain_seconds
+        record = StepRecord(started=now, num_tokens=5, num_seqs=1, verified=[(4, 2)],
+                            marks=Clock, target_start=now, target_end=now + seconds)
+        now += seconds
+        guard.step(record, now)
+    return chosen
+
+
+@pytest.mark.parametrize("tree_seconds,chain_seconds", [(0.08, 0.05), (0.05, 0.06)])
+def test_the_guard_drafts_chains_where_trees_realized_less(tree_seconds, chain_seconds):
+    """Trees and chains of the same accepted tokens: where the tree steps take longer the
+    guard drafts chains after its first measurements, with a few tree steps now and then;
+    where they are faster it keeps trees, with a chain step now and then; not adaptive:
+    trees whatever they cost."""
+    from engine.config import SpeculativeConfig
+    from engine.spec_decode.guard import Guard
+    from engine.spec_decode.stats import SpecDecodeStats
+
+    def guard(adaptive=True):
+        return Guard(SpeculativeConfig(method="draft_model", draft_model="d", tree_max_nodes=16,
+                                       adaptive=adaptive),
+                     SpecDecodeStats(k_max=4), "draft_model", True, False, 128)
+
+    g = guard()
+    chosen = _shape_steps(g, tree_seconds, chain_seconds)
+    # the first steps measure both (a chain in 4) until each shape has its rate
+    assert chosen[:16] == [True, True, True, False] * 4
+    later = chosen[24:]
+    if tree_seconds > chain_seconds:
+        assert 0 < later.count(True) <= 0.1 * len(later)  # exploring bursts only
+    else:
+        assert 0 < later.count(False) <= 0.05 * len(later)  # refreshes of the chains' rate
+    assert g.stats.num_chain_steps_chosen == chosen.count(False)
+    assert all(_shape_steps(guard(adaptive=False), tree_seconds, chain_seconds, steps=40))
+
+
+@pytest.mark.parametrize("method", ["draft_model", "hybrid"])
+def test_trees_and_chains_switched_per_step_equal_plain(method):
+    """The guard's shape changes from step to step (here at random): a sequence that drafted
+    a tree drafts a chain next and back, beside others, greedy and coupled seeded, suffix
+    trees with them in hybrid: plain decoding's output, token for token."""
+    import random
+
+    target = build_tiny_model("qwen2", dtype=torch.bfloat16)
+    draft = build_tiny_model("qwen2", seed=1, dtype=torch.bfloat16)
+    base = random_prompts([11, 7, 16, 5], seed=5)
+    prompts = [b * 3 for b in base] * 2
+    params = [SamplingParams(temperature=0, max_tokens=28, ignore_eos=True) if i % 2 else
+              SamplingParams(temperature=0.8, seed=i, max_tokens=28, ignore_eos=True)
+              for i in range(len(prompts))]
+    plain = staggered(make_engine(target), prompts, params)
+    engine = make_engine(target, method, draft, max_num_seqs=8, tree_max_nodes=12)
+    rng, shapes = random.Random(3), []
+    engine.speculator.guard.trees = lambda n: shapes.append(rng.random() < 0.5) or shapes[-1]
+    spec = staggered(engine, prompts, params)
+    assert [o.output_token_ids for o in spec] == [o.output_token_ids for o in plain]
+    assert shapes.count(False) > 10
+    assert engine.speculator.stats.tree_verifications_by_method.get("draft_model", 0) > 10
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
 # -- dynamic trees (EAGLE-2): which nodes a proposer runs and which the tree keeps ------------
 def test_a_dynamic_tree_expands_the_most_probable_nodes_and_keeps_the_best():
     """A proposer whose next-token probabilities are given: the first forward scores the root;

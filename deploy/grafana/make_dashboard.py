@@ -45,9 +45,12 @@ PANELS = [
          f"[5m])) / scalar(sum(rate(specserve:spec_decode_num_drafts_total{I}[5m])))",
          "position {{position}}")]),
     ("k chosen (mean)", "short", [(f"avg(specserve:spec_decode_k{I})", "k")]),
-    ("Token-tree size (nodes per tree verified)", "short", [
+    ("Token-tree size (nodes per tree verified); steps drafting chains instead, per second",
+     "short", [
         (f"sum(rate(specserve:spec_decode_num_tree_nodes_total{I}[5m])) / "
-         f"sum(rate(specserve:spec_decode_num_tree_verifications_total{I}[5m]))", "nodes")]),
+         f"sum(rate(specserve:spec_decode_num_tree_verifications_total{I}[5m]))", "nodes"),
+        (f"sum(rate(specserve:spec_decode_num_chain_steps_chosen_total{I}[5m]))",
+         "chain steps/s")]),
     ("Time to first token", "s", quantiles("time_to_first_token_seconds")),
     ("Inter-token latency", "s", quantiles("inter_token_latency_seconds")),
     ("End-to-end latency", "s", quantiles("e2e_request_latency_seconds")),

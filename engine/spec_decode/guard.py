@@ -8,14 +8,17 @@ it what happened. The guard owns every measurement and decision of speculation's
   feedback) that plans k per sequence each step;
 - the realized rates (adaptive.py `RealizedRates`: tokens per second speculative and plain
   steps actually reached, per batch-size class), which say per step whether to speculate,
-  explore or run plain;
+  explore or run plain; and the same comparison of the steps whose proposer drafted token
+  trees with those whose proposer drafted chains, which says per step which shape to draft
+  (`trees`);
 - catch-ups: a draft model's long catch-up (a prompt, or tokens emitted while it did not draft)
   is made only where it pays back (`_invest`) or, unproven, within a small share of the time
   (`_affordable`).
 
 Fed by the speculator, each step in this order: `step(record)` with the engine's `StepRecord`
 (what ran and when; its realized rate includes the proposal the step verified); where some
-sequence may draft, `mode` and `choose` for the next proposal, and `drafted` with the proposal
+sequence may draft, `mode`, `trees` (where trees are on and some candidate may draft one) and
+`choose` for the next proposal, and `drafted` with the proposal
 where the proposer drafts; `proposed` with the propose call's time. Also per verification
 (`verification`) and per finished request (`finished`).
 """
@@ -73,6 +76,7 @@ class _LastProposal:
     seconds: float = 0.0  # the propose call (paid by the step that verifies it)
     backlogs: list[int] = field(default_factory=list)  # its drafting sequences' catch-ups
     unread: Proposal | None = None  # its draft forwards, when the device has not run them yet
+    trees: bool | None = None  # its shape where `trees` chose one: token trees, or chains
 
 
 class Choice(NamedTuple):
@@ -105,6 +109,11 @@ class Guard:
         self.controller = KController(config.k_max, config.adaptive,
                                       draft_cost_free=method in ("ngram", "medusa"))
         self.realized = RealizedRates()
+        # the proposers' token trees (the "speculative" side) against their chains (the "plain"
+        # side): the same comparison, over the speculative steps where a tree was possible. A
+        # tree's gain over a chain is smaller and its steps vary more than speculation's over
+        # plain decoding: a slower decay weighs more steps
+        self.shapes = RealizedRates(decay=0.95)
         self._last = _LastProposal()
         self._mean_output: float | None = None  # output tokens of recently finished requests
         self._since_catch_up = math.inf  # seconds of steps since a draft model catch-up
@@ -134,9 +143,12 @@ class Guard:
             excess = self._catch_up_seconds(last.backlogs) if drafted else 0.0
             # (on CUDA the proposal's estimate may exceed what the wall clock saw of it)
             wall = now - record.started + last.seconds
-            self.realized.record(record.num_seqs, drafted > 0,
-                                 sum(a + 1 for _, a in record.verified),
+            tokens = sum(a + 1 for _, a in record.verified)
+            self.realized.record(record.num_seqs, drafted > 0, tokens,
                                  max(wall - excess, 0.5 * wall))
+            if drafted and last.trees is not None:
+                self.shapes.record(record.num_seqs, last.trees, tokens,
+                                   max(wall - excess, 0.5 * wall))
         self._last = _LastProposal()
 
     def verification(self, num_drafted: int, num_accepted: int,
@@ -213,6 +225,19 @@ class Guard:
         """"speculate", "explore" or "plain" for the next step of the running batch (each
         call counts as one such step)."""
         return self.realized.decide(num_running) if self.config.adaptive else "speculate"
+
+    def trees(self, num_running: int) -> bool:
+        """Whether the proposers draft token trees in the next step (else chains), for a
+        running batch of `num_running` where trees are on and some candidate may draft one
+        (each call counts as one such step): trees until the steps that drafted them realized
+        fewer tokens per second than the steps that drafted chains at this batch size, then
+        chains, with a few tree steps now and then to notice a change (`RealizedRates.decide`
+        over the two shapes). Always trees where k is not adaptive."""
+        trees = not self.config.adaptive or self.shapes.decide(num_running) != "plain"
+        self._last.trees = trees
+        if not trees:
+            self.stats.num_chain_steps_chosen += 1
+        return trees
 
     def choose(self, running: list[Sequence], candidates: list[Sequence], rooms: list[int],
                num_joining: int, free: list[list[float]] | None, mode: str,

@@ -279,9 +279,14 @@ class Speculator(NoSpeculation):
         if self.suffix is not None:
             for s in candidates:
                 self.suffix.sync(s)
+        # token trees (the proposer's, the suffix tree's) or chains this step: the guard's
+        # choice from their realized rates where a tree is possible
+        trees = mode != "plain" and self.tree_nodes > 0 and (
+            self.suffix is not None or any(self._proposer_tree_ok(s) for s in candidates)) \
+            and self.guard.trees(len(running))
         if mode != "plain" and (self.suffix is not None or self.lookahead is not None
                                 or any(s.params.prediction for s in candidates)):
-            matches = [self._free(s, room) for s, room in zip(candidates, rooms)]
+            matches = [self._free(s, room, trees) for s, room in zip(candidates, rooms)]
         choice = self.guard.choose(running, candidates, rooms, num_joining,
                                    None if matches is None else [m.confidence
                                                                  for m, _ in matches],
@@ -293,14 +298,14 @@ class Speculator(NoSpeculation):
                 self._set_drafts(s, match.token_ids[:k], None, (method, match.match_length),
                                  parents=match.parents[:k] if match.parents else None)
         chosen = [(s, k, room) for s, k, room in zip(candidates, choice.draft_ks, rooms) if k > 0]
-        trees, chains = [], []
+        tree_seqs, chains = [], []
         for c in chosen:
-            (trees if self._proposer_tree_ok(c[0]) else chains).append(c)
+            (tree_seqs if trees and self._proposer_tree_ok(c[0]) else chains).append(c)
         if chains:
             self._propose_with([s for s, _, _ in chains], [k for _, k, _ in chains])
-        if trees:
-            self._propose_trees([s for s, _, _ in trees], [r for _, _, r in trees],
-                                [k for _, k, _ in trees],
+        if tree_seqs:
+            self._propose_trees([s for s, _, _ in tree_seqs], [r for _, _, r in tree_seqs],
+                                [k for _, k, _ in tree_seqs],
                                 *self.guard.tree_prices(choice))
         if self.lookahead is not None and mode != "plain":  # (priced at the pass's size with
             # every other draft of the step in it)
@@ -341,11 +346,12 @@ class Speculator(NoSpeculation):
             if state.confidence is not None:
                 state.confidence = state.confidence + [0.0] * len(ids)
 
-    def _free(self, seq: Sequence, room: int) -> tuple[SuffixDraft, str]:
-        """The sequence's free proposal and its method: its suffix match, the lookahead pool's
-        continuations or its prediction's, whichever expects more accepted tokens."""
+    def _free(self, seq: Sequence, room: int, trees: bool) -> tuple[SuffixDraft, str]:
+        """The sequence's free proposal and its method: its suffix match (a tree of its
+        continuations where `trees`), the lookahead pool's continuations or its prediction's,
+        whichever expects more accepted tokens."""
         best, method = SuffixDraft(), "suffix"
-        if self.suffix is not None and self.tree_nodes:  # its nodes' slots in the context
+        if self.suffix is not None and trees:  # its nodes' slots in the context
             best = self.suffix.propose_tree(seq, room, min(self.tree_nodes, self.max_model_len
                                                            - seq.num_tokens))
         elif self.suffix is not None:

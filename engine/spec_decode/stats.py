@@ -24,6 +24,9 @@ class SpecDecodeStats:
     num_tree_verifications: int = 0  # verifications whose drafts were a token tree
     num_tree_nodes: int = 0  # the nodes those trees verified
     tree_verifications_by_method: dict[str, int] = field(default_factory=dict)
+    # steps where trees were on and possible but the guard had the proposers draft chains
+    # (their trees realized less than their chains at that batch size)
+    num_chain_steps_chosen: int = 0
     # tokens emitted by each recent verification with drafts, for a metrics consumer
     recent_lengths: deque = field(default_factory=lambda: deque(maxlen=10_000))
 
