@@ -10,7 +10,9 @@ from engine.kernels import cpu_ext
 
 BS = 16
 PARENTS = (-1, -1, 0, 0, 1, 3, 5, 2)  # two roots' children; depths 1 1 2 2 2 3 4 3
-CONTEXT = 37  # committed tokens before the tree; the last one is the span's first row
+# committed tokens before the tree (the last one is the span's first row): 37, the tree within
+# one block; 45, across two (a node's own slot then lies in a block past its keys' count)
+CONTEXTS = (37, 45)
 
 
 def _caches(kv_heads, head_dim, dtype, seed=0):
@@ -25,7 +27,7 @@ def _run(backend, spans, q, k_cache, v_cache, rows):
     return backend.forward(query, None, None, k_cache, v_cache, meta, q.shape[-1] ** -0.5)[0]
 
 
-def _tree_vs_chains(backend, dtype, heads=4, kv_heads=2, head_dim=64):
+def _tree_vs_chains(backend, dtype, context, heads=4, kv_heads=2, head_dim=64):
     """Each node of PARENTS verified in one tree, and its path verified as a chain (own cache,
     the path's K/V at consecutive positions): the node's row equals the chain's last row."""
     k_tree, v_tree = _caches(kv_heads, head_dim, dtype)
@@ -35,7 +37,7 @@ def _tree_vs_chains(backend, dtype, heads=4, kv_heads=2, head_dim=64):
     q = torch.randn(1 + len(PARENTS), heads, head_dim, generator=g).to(dtype)
     table = torch.randperm(64, generator=g)[:8].tolist()
     slot = lambda p: table[p // BS] * BS + p % BS  # noqa: E731
-    first = CONTEXT  # the tree's first node's slot position
+    first = context  # the tree's first node's slot position
     for j in range(len(PARENTS)):
         k_tree[slot(first + j)], v_tree[slot(first + j)] = node_k[j], node_v[j]
     span = SeqSpan(0, 1 + len(PARENTS), first + len(PARENTS), table, prompt_len=10,
@@ -53,28 +55,32 @@ def _tree_vs_chains(backend, dtype, heads=4, kv_heads=2, head_dim=64):
         assert torch.equal(tree[0], chain[0])  # the committed token's row
 
 
+@pytest.mark.parametrize("context", CONTEXTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_row_kernel_gives_a_node_its_chain_bits(dtype):
+def test_cpu_row_kernel_gives_a_node_its_chain_bits(dtype, context):
     backend = SDPABackend(InvariantLayout(q_multiple=4, kv_multiple=512), row_kernel=True)
     if backend.rows_ext is None:
         pytest.skip(f"no row kernel: {cpu_ext.load('paged_attention')}")
-    _tree_vs_chains(backend, dtype)
+    _tree_vs_chains(backend, dtype, context)
 
 
+@pytest.mark.parametrize("context", CONTEXTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_sdpa_with_the_invariant_layout_gives_a_node_its_chain_bits(dtype):
-    _tree_vs_chains(SDPABackend(InvariantLayout(q_multiple=4, kv_multiple=512)), dtype)
+def test_sdpa_with_the_invariant_layout_gives_a_node_its_chain_bits(dtype, context):
+    _tree_vs_chains(SDPABackend(InvariantLayout(q_multiple=4, kv_multiple=512)), dtype,
+                    context)
 
 
+@pytest.mark.parametrize("context", CONTEXTS)
 @pytest.mark.parametrize("kv_split", [0, 32])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_gives_a_node_its_chain_bits(dtype, kv_split):
+def test_triton_gives_a_node_its_chain_bits(dtype, kv_split, context):
     """Through Triton's interpreter here (conftest), the code a GPU compiles."""
     from engine.attention.triton_backend import TritonBackend, available
 
     if not available():
         pytest.skip("triton is not installed")
-    _tree_vs_chains(TritonBackend(kv_split), dtype)
+    _tree_vs_chains(TritonBackend(kv_split), dtype, context)
 
 
 def test_a_node_attends_to_its_ancestors_only():
@@ -84,10 +90,10 @@ def test_a_node_attends_to_its_ancestors_only():
     g = torch.Generator().manual_seed(2)
     q = torch.randn(1 + len(PARENTS), 4, 32, generator=g)
     table = list(range(8))
-    span = SeqSpan(0, 1 + len(PARENTS), CONTEXT + len(PARENTS), table, parents=PARENTS)
+    span = SeqSpan(0, 1 + len(PARENTS), CONTEXTS[0] + len(PARENTS), table, parents=PARENTS)
     out = _run(backend, [span], q, k, v, 1 + len(PARENTS))
     for j, path in enumerate(tree_paths(list(PARENTS))):
-        keys = list(range(CONTEXT)) + [CONTEXT + a for a in path]
+        keys = list(range(CONTEXTS[0])) + [CONTEXTS[0] + a for a in path]
         kk, vv = k[keys].double().transpose(0, 1), v[keys].double().transpose(0, 1)
         ref = torch.nn.functional.scaled_dot_product_attention(
             q[1 + j].double()[:, None], kk, vv, enable_gqa=True, scale=32 ** -0.5)[:, 0]

@@ -56,6 +56,12 @@ class SeqSpan:
     # (its ancestors', then its own), those before at their own; ctx_len counts its keys
     tree_keys: tuple[int, ...] | None = None
 
+    def num_blocks(self, block_size: int) -> int:
+        """Blocks of its table that hold its keys (a tree node's own slot may lie past
+        ctx_len: the nodes before it in the tree take the slots in between)."""
+        last = max(self.ctx_len, max(self.tree_keys or (), default=-1) + 1)
+        return -(-last // block_size)
+
 
 def expand_trees(spans: list[SeqSpan]) -> list[SeqSpan]:
     """Each token tree's nodes as one-row spans over their own keys: the committed tokens, then

@@ -290,12 +290,12 @@ class TritonBackend(AttentionBackend):
                        device: torch.device) -> TritonMetadata:
         spans = expand_trees(spans)
         n = len(spans)
-        width = max(-(-s.ctx_len // block_size) for s in spans)
+        width = max(s.num_blocks(block_size) for s in spans)
         per_seq = np.zeros((3, n), dtype=np.int32)
         tables = np.zeros((n, width), dtype=np.int32)
         for i, s in enumerate(spans):
             per_seq[:, i] = (s.q_start, s.q_len, s.ctx_len)
-            used = -(-s.ctx_len // block_size)
+            used = s.num_blocks(block_size)
             tables[i, :used] = s.block_table[:used]
         seq = to_device(per_seq, torch.int32, device)
         splits = (SplitRows.build(spans, len(slot_mapping), self.kv_split, device)
