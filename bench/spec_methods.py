@@ -417,7 +417,9 @@ def main() -> int:
                              "hybrid with the heads")
     parser.add_argument("--trees", action="store_true",
                         help="plain, suffix, draft model, hybrid: chains only and with token trees "
-                             f"(tree_max_nodes 0 and {TREE_NODES})")
+                             f"(tree_max_nodes 0 and --tree-nodes)")
+    parser.add_argument("--tree-nodes", type=int, default=TREE_NODES,
+                        help="tree_max_nodes of the engines that draft trees (1 to 64)")
     parser.add_argument("--lookahead", action="store_true",
                         help="lookahead decoding: its pool alone, with its window guarded and "
                              "unguarded, in hybrid; beside plain and suffix")
@@ -428,6 +430,9 @@ def main() -> int:
     args = parser.parse_args()
     if args.medusa and not args.speculator:
         parser.error("--medusa needs --speculator (the EAGLE head it is compared with)")
+    if not 1 <= args.tree_nodes <= 64:
+        parser.error("--tree-nodes must be within 1..64")
+    globals()["TREE_NODES"] = args.tree_nodes  # (the engines' and the results' tree size)
     default_out = str(ROOT / "bench/results" / (
         "spec_methods_medusa_lookahead.md" if args.medusa and args.lookahead
         else "spec_methods_medusa.md" if args.medusa
