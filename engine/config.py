@@ -206,6 +206,14 @@ class SpeculativeConfig:
                                                           and self.k_max > 0)
 
     @property
+    def max_tree_nodes(self) -> int:
+        """The most nodes of one sequence's token tree in a step (0: its drafts are chains):
+        tree_max_nodes, or lookahead's rows where it runs."""
+        if not self.enabled:
+            return 0
+        return max(self.tree_max_nodes, MAX_LOOKAHEAD_ROWS if self.lookahead is not None else 0)
+
+    @property
     def uses_draft_model(self) -> bool:
         return self.enabled and (self.method == "draft_model"
                                  or (self.method == "hybrid" and not self.speculator))

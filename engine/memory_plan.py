@@ -123,6 +123,13 @@ def static_tokens(config) -> int:
     return 1 + (spec.k_max if spec.enabled else 0)
 
 
+def static_tree_tokens(config) -> int:
+    """Rows per sequence of the largest token-tree step a static bucket takes (0: none):
+    1 + the most nodes of a tree."""
+    nodes = config.speculative.max_tree_nodes
+    return 1 + nodes if nodes else 0
+
+
 def profile_blocks(config) -> int:
     """A pool just large enough for the forwards `plan_blocks` measures."""
     tokens = max(config.max_num_batched_tokens, static_tokens(config))

@@ -137,13 +137,14 @@ class ModelRunner:
         self.kv = self._kv(num_blocks, backend)
 
     def enable_static_steps(self, batch_sizes: tuple[int, ...], tokens_per_seq: int,
-                            max_model_len: int, capture: bool) -> None:
+                            max_model_len: int, capture: bool, tree_tokens: int = 0) -> None:
         """Run steps of short sequences in padded static buckets, captured as CUDA graphs when
-        `capture` (engine/static_steps.py)."""
+        `capture` (engine/static_steps.py); token-tree steps of up to `tree_tokens` rows per
+        sequence too (0: they run eagerly)."""
         from engine.static_steps import StaticSteps
 
         self.static = StaticSteps(self, batch_sizes, tokens_per_seq,
-                                  -(-max_model_len // self.block_size), capture)
+                                  -(-max_model_len // self.block_size), capture, tree_tokens)
         if capture:
             with torch.inference_mode():
                 self.static.warm_up()
@@ -185,26 +186,8 @@ class ModelRunner:
         """drafts: the draft tokens that follow each item's token ids (None: none)."""
         if self.static is not None and self.static.fits(items, drafts):
             return StepLogits(*self.static.execute(items, drafts))
-        positions, slot_mapping, keep, row_offsets = [], [], [], [0]
-        spans = []
-        bs, q_start = self.block_size, 0
-        for i, (item, n) in enumerate(zip(items, num_new_tokens(items, drafts))):
-            start, end, table = item.start, item.start + n, item.block_table
-            tree = drafts.parents_of(i) if drafts is not None else None
-            if tree is None:
-                positions += range(start, end)
-            else:  # a token tree's node at the last committed token's position + its depth
-                base = start + len(item.token_ids) - 1
-                positions += range(start, base + 1)
-                positions += [base + len(path) for path in drafts.paths_of(i)]
-            at = range(start, end) if item.tree_keys is None else item.tree_keys[-1:]
-            slot_mapping += [table[p // bs] * bs + p % bs for p in at]
-            spans.append(paged.SeqSpan(q_start, n, end, table, item.prompt_len,
-                                       None if tree is None else tuple(tree),
-                                       tree_keys=item.tree_keys))
-            keep += range(q_start + n - item.num_rows, q_start + n)
-            row_offsets.append(row_offsets[-1] + item.num_rows)
-            q_start += n
+        bs = self.block_size
+        positions, slot_mapping, spans, keep, row_offsets = layout(items, drafts, bs)
         dev, long = self.device, torch.long
         ids = input_ids(items, drafts, dev)
         if self.workers is not None:
@@ -243,7 +226,7 @@ class ModelRunner:
         bs = self.block_size
         self.workers.step(StepMeta(
             np.asarray(positions, dtype=np.int64), np.asarray(slot_mapping, dtype=np.int64),
-            [replace(s, block_table=s.block_table[:-(-s.ctx_len // bs)])
+            [replace(s, block_table=s.block_table[:s.num_blocks(bs)])
              for s in spans]))  # what the workers' attention reads, no more
         try:
             self.group.broadcast(ids)
@@ -261,3 +244,33 @@ class ModelRunner:
         self.forward(ids, to_device(meta.positions[None], long, dev), None,
                      self.kv.backend.build_metadata(meta.spans, meta.slot_mapping.tolist(),
                                                     self.block_size, dev))
+
+
+def layout(items: list[RunItem], drafts: Drafts | None, block_size: int
+           ) -> tuple[list[int], list[int], list[paged.SeqSpan], list[int], list[int]]:
+    """The packed forward of `items` (and their drafts): per row its position and K/V slot,
+    per item its attention span, the rows whose logits are wanted and each item's first
+    wanted one (row offsets). A token tree's node sits at the last committed token's position
+    plus its depth, its K/V in the slot after the nodes before it; an item of a proposer's
+    tree node (`tree_keys`) writes its K/V at its last key's position."""
+    positions, slot_mapping, keep, row_offsets = [], [], [], [0]
+    spans = []
+    bs, q_start = block_size, 0
+    for i, (item, n) in enumerate(zip(items, num_new_tokens(items, drafts))):
+        start, end, table = item.start, item.start + n, item.block_table
+        tree = drafts.parents_of(i) if drafts is not None else None
+        if tree is None:
+            positions += range(start, end)
+        else:
+            base = start + len(item.token_ids) - 1
+            positions += range(start, base + 1)
+            positions += [base + len(path) for path in drafts.paths_of(i)]
+        at = range(start, end) if item.tree_keys is None else item.tree_keys[-1:]
+        slot_mapping += [table[p // bs] * bs + p % bs for p in at]
+        spans.append(paged.SeqSpan(q_start, n, end, table, item.prompt_len,
+                                   None if tree is None else tuple(tree),
+                                   tree_keys=item.tree_keys))
+        keep += range(q_start + n - item.num_rows, q_start + n)
+        row_offsets.append(row_offsets[-1] + item.num_rows)
+        q_start += n
+    return positions, slot_mapping, spans, keep, row_offsets

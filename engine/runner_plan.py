@@ -57,6 +57,7 @@ class RunnerPlan:
     capture: bool  # ... captured as CUDA graphs
     batch_sizes: tuple[int, ...]  # the buckets' sequences
     tokens_per_seq: int  # the largest bucket's tokens per sequence: 1 + k_max
+    tree_tokens: int = 0  # the largest token-tree step's rows per sequence (0: no trees)
 
     @classmethod
     def resolve(cls, config: EngineConfig, device: torch.device) -> "RunnerPlan":
@@ -81,7 +82,8 @@ class RunnerPlan:
             static = capture = False  # auto on CUDA without triton: eager
         return cls(device, backend, config.attention_kv_split, config.batch_invariant,
                    config.cpu_matmul_autotune, static, capture,
-                   tuple(config.cuda_graph_batch_sizes), memory_plan.static_tokens(config))
+                   tuple(config.cuda_graph_batch_sizes), memory_plan.static_tokens(config),
+                   memory_plan.static_tree_tokens(config))
 
     def runner(self, model: torch.nn.Module, num_blocks: int, block_size: int,
                target: bool = True) -> ModelRunner:
@@ -96,7 +98,7 @@ class RunnerPlan:
         """Padded static steps (captured as CUDA graphs) for `runner`, where the plan has them."""
         if self.static_steps:
             runner.enable_static_steps(self.batch_sizes, self.tokens_per_seq, max_model_len,
-                                       self.capture)
+                                       self.capture, self.tree_tokens)
 
     def build_target(self, config: EngineConfig, model: torch.nn.Module,
                      whole: torch.nn.Module | None, models: list[torch.nn.Module],

@@ -187,6 +187,93 @@ def test_static_padded_steps_give_the_eager_engine_s_tokens(method):
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
 
 
+@pytest.mark.parametrize("method", ["draft_model", "lookahead"])
+def test_static_token_tree_steps_give_the_eager_engine_s_tokens(method):
+    """Token trees in static buckets (each row a span of its own; CUDA graphs replay them):
+    the draft model's dynamic trees (its node forwards in its own runner's tree buckets too),
+    lookahead's pool and window; greedy and coupled seeded requests arriving one after
+    another: the eager SDPA engine's tokens without speculation."""
+    from conftest import staggered
+
+    from engine.config import SpeculativeConfig
+
+    target = build_tiny_model("qwen2").to(DEVICE)
+    draft = build_tiny_model("qwen2", seed=1).to(DEVICE) if method == "draft_model" else None
+    base = random_prompts([14, 9, 20, 6], seed=21)
+    prompts = [b * 2 for b in base][:2]
+    if draft is None:  # texts that repeat with variations: the n-gram pool's trees
+        prompts += [b[:len(b) // 2] + [(t * 3) % 300 + 5 for t in b[len(b) // 2:]] + b
+                    for b in base[:2]]
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True) if i % 2 else
+              SamplingParams(temperature=0.8, seed=i, max_tokens=12, ignore_eos=True)
+              for i in range(len(prompts))]
+
+    def engine(backend, graphs, method="none", draft=None):
+        spec = SpeculativeConfig(method=method, k_max=3, adaptive=False, calibrate=False,
+                                 tree_max_nodes=8 if method != "none" else 0,
+                                 draft_model="in-memory" if draft is not None else None,
+                                 lookahead={"window": 2, "ngram": 3, "max_candidates": 2}
+                                 if method == "lookahead" else None)
+        return LLMEngine(EngineConfig(num_blocks=96, attention_backend=backend,
+                                      cuda_graphs=graphs, cuda_graph_batch_sizes=[1, 2, 4, 8],
+                                      batch_invariant=False, cpu_matmul_autotune=False,
+                                      speculative=spec),
+                         model=clone_model(target),
+                         draft_model=clone_model(draft) if draft is not None else None)
+
+    want = [o.output_token_ids for o in staggered(engine("sdpa", "off"), prompts, params)]
+    eng = engine("triton", "static", method, draft)
+    got = staggered(eng, prompts, params)
+    assert [o.output_token_ids for o in got] == want
+    assert eng.speculator.stats.num_tree_verifications > 0
+    static = eng.runner.static
+    assert any(key[2] for key in static._buckets)  # trees ran in tree buckets
+    assert static.num_replays == 0
+    if draft is not None:  # the draft model's tree-node forwards in its tree buckets
+        assert any(key[2] for key in eng.speculator.proposer.runner.static._buckets)
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("kv_split", [0, 32])
+def test_a_static_tree_bucket_gives_every_row_the_eager_bits(kv_split):
+    """A verification of a token tree (across a block boundary) beside a chain, then a
+    proposer's tree-node rows: every row's logits in the static tree bucket are the eager
+    forward's (the rows off the accepted path too)."""
+    from engine.batch import Drafts, RunItem
+    from engine.model_runner import ModelRunner
+
+    model = build_tiny_model("qwen2").to(DEVICE)
+
+    def runner(static):
+        r = ModelRunner(clone_model(model), 32, 8, attention_backend="triton",
+                        attention_kv_split=kv_split)
+        if static:
+            r.enable_static_steps((1, 2, 4), 8, 128, capture=False, tree_tokens=9)
+        return r
+
+    prompts = random_prompts([13, 21], seed=3)
+    tables = [[0, 1, 2, 3, 4, 5], [8, 9, 10, 11, 12, 13]]
+    steps = [  # (items, drafts)
+        ([RunItem(p, 0, t, 1, len(p)) for p, t in zip(prompts, tables)], None),
+        ([RunItem([5], 13, tables[0], 9, 13), RunItem([6], 21, tables[1], 4, 21)],
+         Drafts.gather([([11, 12, 13, 14, 15, 16, 17, 18], None), ([21, 22, 23], None)],
+                       DEVICE, [[-1, -1, 0, 0, 1, 3, 5, 2], None])),
+        # nodes of depth 1 and 2 (ancestors' slots, then their own) beside a chain row
+        ([RunItem([30], 14, tables[0], 1, 13, tree_keys=(19,)),
+          RunItem([31], 15, tables[0], 1, 13, tree_keys=(19, 23)),
+          RunItem([32], 25, tables[1], 1, 21)], None),
+    ]
+    eager, static = runner(False), runner(True)
+    for items, drafts in steps:
+        want = eager.execute(items, drafts)
+        got = static.execute(items, drafts)
+        # (the linears of this runner are not batch-invariant: a bucket's padded rows may
+        # move a row's last bits; a wrong key moves them by far more)
+        torch.testing.assert_close(got.logits, want.logits, atol=1e-5, rtol=0)
+        assert got.row_offsets == want.row_offsets
+    assert {key for key in static.static._buckets if key[2]} == {(2, 16, True), (4, 1, True)}
+
+
 def test_static_steps_need_the_triton_backend():
     with pytest.raises(ValueError, match="cuda_graphs"):
         LLMEngine(EngineConfig(num_blocks=16, attention_backend="sdpa", cuda_graphs="static"),
@@ -225,7 +312,7 @@ def test_static_steps_equal_eager_seeded_at_bucket_edges_while_the_batch_shrinks
     assert [o.output_token_ids for o in eng.generate(prompts, params)] == want
     static = eng.runner.static
     assert static.num_static > 0
-    assert {s for s, _ in static._buckets} >= {1, 2, 4, 8}
+    assert {key[0] for key in static._buckets} >= {1, 2, 4, 8}
     assert eng.speculator.stats.num_draft_tokens > 0
     assert eng.speculator.proposer.runner.static.num_static > 0
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
