@@ -524,6 +524,31 @@ def test_the_guard_drafts_chains_where_trees_realized_less(tree_seconds, chain_s
     assert all(_shape_steps(guard(adaptive=False), tree_seconds, chain_seconds, steps=40))
 
 
+def test_a_step_whose_tree_capable_sources_drafted_nothing_counts_for_neither_shape():
+    """Only steps where a proposer that may draft a tree (or a suffix match) drafted count for
+    the shape the guard chose: in hybrid, a step whose drafts all came from the draft model's
+    chains for requests verified by rejection (seeded: no trees) is neither's."""
+    from engine.spec_decode.suffix import SuffixDraft
+
+    target = build_tiny_model("qwen2")
+    draft = build_tiny_model("qwen2", seed=1)
+    engine = make_engine(target, "hybrid", draft, tree_max_nodes=8, verification="rejection")
+    spec = engine.speculator
+    spec.suffix.propose = spec.suffix.propose_tree = lambda *a, **kw: SuffixDraft()
+    recorded = []
+    record = spec.guard.shapes.record
+    spec.guard.shapes.record = lambda seqs, trees, tokens, seconds: (
+        recorded.append(trees), record(seqs, trees, tokens, seconds))
+    engine.generate(random_prompts([6, 9], seed=2),
+                    [SamplingParams(temperature=0.8, seed=s, max_tokens=12, ignore_eos=True)
+                     for s in (1, 2)])
+    assert spec.stats.num_drafts > 0 and recorded == []
+    # greedy requests draft the draft model's trees: their steps count for trees
+    engine.generate(random_prompts([6, 9], seed=3),
+                    SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert recorded and all(recorded)
+
+
 @pytest.mark.parametrize("method", ["draft_model", "hybrid"])
 def test_trees_and_chains_switched_per_step_equal_plain(method):
     """The guard's shape changes from step to step (here at random): a sequence that drafted

@@ -239,6 +239,11 @@ class Guard:
             self.stats.num_chain_steps_chosen += 1
         return trees
 
+    def no_shape(self) -> None:
+        """The step `trees` chose a shape for drafted nothing the shape applies to (the plan
+        left the tree-capable sources out): its rate is neither shape's."""
+        self._last.trees = None
+
     def choose(self, running: list[Sequence], candidates: list[Sequence], rooms: list[int],
                num_joining: int, free: list[list[float]] | None, mode: str,
                backlog_of: Callable[[Sequence], int]) -> Choice:

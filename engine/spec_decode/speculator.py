@@ -281,9 +281,10 @@ class Speculator(NoSpeculation):
                 self.suffix.sync(s)
         # token trees (the proposer's, the suffix tree's) or chains this step: the guard's
         # choice from their realized rates where a tree is possible
-        trees = mode != "plain" and self.tree_nodes > 0 and (
-            self.suffix is not None or any(self._proposer_tree_ok(s) for s in candidates)) \
-            and self.guard.trees(len(running))
+        tree_ok = [self.tree_nodes > 0 and self._proposer_tree_ok(s) for s in candidates]
+        shaped = mode != "plain" and self.tree_nodes > 0 and (
+            self.suffix is not None or any(tree_ok))
+        trees = shaped and self.guard.trees(len(running))
         if mode != "plain" and (self.suffix is not None or self.lookahead is not None
                                 or any(s.params.prediction for s in candidates)):
             matches = [self._free(s, room, trees) for s, room in zip(candidates, rooms)]
@@ -297,10 +298,14 @@ class Speculator(NoSpeculation):
             if k:
                 self._set_drafts(s, match.token_ids[:k], None, (method, match.match_length),
                                  parents=match.parents[:k] if match.parents else None)
-        chosen = [(s, k, room) for s, k, room in zip(candidates, choice.draft_ks, rooms) if k > 0]
+        if shaped and not any(k and ok for k, ok in zip(choice.draft_ks, tree_ok)) and not any(
+                k and method == "suffix" for k, (_, method) in zip(choice.suffix_ks,
+                                                                   matches or [])):
+            self.guard.no_shape()  # (nothing drafted by a source the shape applies to)
         tree_seqs, chains = [], []
-        for c in chosen:
-            (tree_seqs if trees and self._proposer_tree_ok(c[0]) else chains).append(c)
+        for s, k, room, ok in zip(candidates, choice.draft_ks, rooms, tree_ok):
+            if k > 0:
+                (tree_seqs if trees and ok else chains).append((s, k, room))
         if chains:
             self._propose_with([s for s, _, _ in chains], [k for _, k, _ in chains])
         if tree_seqs:
