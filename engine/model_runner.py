@@ -22,8 +22,7 @@ import numpy as np
 import torch
 
 from engine.attention import paged
-from engine.batch import Drafts, ModelShape, RunItem, StepLogits, StepMeta, input_ids, \
-    num_new_tokens
+from engine.batch import Drafts, ModelShape, RunItem, StepLogits, StepMeta, input_ids
 from engine.device_io import to_device
 from engine.models import lean_forward
 
@@ -187,7 +186,7 @@ class ModelRunner:
         if self.static is not None and self.static.fits(items, drafts):
             return StepLogits(*self.static.execute(items, drafts))
         bs = self.block_size
-        positions, slot_mapping, spans, keep, row_offsets = layout(items, drafts, bs)
+        positions, slot_mapping, spans, keep, row_offsets = paged.pack(items, drafts, bs)
         dev, long = self.device, torch.long
         ids = input_ids(items, drafts, dev)
         if self.workers is not None:
@@ -245,32 +244,3 @@ class ModelRunner:
                      self.kv.backend.build_metadata(meta.spans, meta.slot_mapping.tolist(),
                                                     self.block_size, dev))
 
-
-def layout(items: list[RunItem], drafts: Drafts | None, block_size: int
-           ) -> tuple[list[int], list[int], list[paged.SeqSpan], list[int], list[int]]:
-    """The packed forward of `items` (and their drafts): per row its position and K/V slot,
-    per item its attention span, the rows whose logits are wanted and each item's first
-    wanted one (row offsets). A token tree's node sits at the last committed token's position
-    plus its depth, its K/V in the slot after the nodes before it; an item of a proposer's
-    tree node (`tree_keys`) writes its K/V at its last key's position."""
-    positions, slot_mapping, keep, row_offsets = [], [], [], [0]
-    spans = []
-    bs, q_start = block_size, 0
-    for i, (item, n) in enumerate(zip(items, num_new_tokens(items, drafts))):
-        start, end, table = item.start, item.start + n, item.block_table
-        tree = drafts.parents_of(i) if drafts is not None else None
-        if tree is None:
-            positions += range(start, end)
-        else:
-            base = start + len(item.token_ids) - 1
-            positions += range(start, base + 1)
-            positions += [base + len(path) for path in drafts.paths_of(i)]
-        at = range(start, end) if item.tree_keys is None else item.tree_keys[-1:]
-        slot_mapping += [table[p // bs] * bs + p % bs for p in at]
-        spans.append(paged.SeqSpan(q_start, n, end, table, item.prompt_len,
-                                   None if tree is None else tuple(tree),
-                                   tree_keys=item.tree_keys))
-        keep += range(q_start + n - item.num_rows, q_start + n)
-        row_offsets.append(row_offsets[-1] + item.num_rows)
-        q_start += n
-    return positions, slot_mapping, spans, keep, row_offsets

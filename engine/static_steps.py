@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from engine.device_io import copy_in, to_device
-from engine.attention.paged import expand_trees
+from engine.attention.paged import expand_trees, pack
 from engine.batch import input_ids, num_new_tokens
 
 log = logging.getLogger("specserve.engine")
@@ -241,13 +241,11 @@ class StaticSteps:
     def _execute_tree(self, items, drafts, lengths: list[int]
                       ) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
         """`execute` for a step with token trees: each row a span of its own, laid out as
-        the eager forward lays them out (model_runner.py `layout`), item i's rows from row
+        the eager forward lays them out (engine/attention/paged.py `pack`), item i's rows from row
         i x Q on."""
-        from engine.model_runner import layout
-
         b = self._bucket(len(items), self._tree_rows(len(items), max(lengths)), tree=True)
         bs, rows = self.runner.block_size, b.seqs * b.tokens
-        positions, slot_mapping, spans, keep, offsets = layout(items, drafts, bs)
+        positions, slot_mapping, spans, keep, offsets = pack(items, drafts, bs)
         at = np.zeros(len(positions), dtype=np.int64)  # each packed row's row in the bucket
         first = 0
         for i, n in enumerate(lengths):

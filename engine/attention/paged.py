@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.batch import tree_paths
+from engine.batch import num_new_tokens, tree_paths
 from engine.device_io import to_device
 
 _log = logging.getLogger("specserve.engine")
@@ -85,6 +85,35 @@ def expand_trees(spans: list[SeqSpan]) -> list[SeqSpan]:
                                s.block_table, s.prompt_len,
                                tree_keys=tuple(first + a for a in path)))
     return out
+
+
+def pack(items: list, drafts, block_size: int
+         ) -> tuple[list[int], list[int], list[SeqSpan], list[int], list[int]]:
+    """The packed forward of `items` (engine/batch.py `RunItem`s, and their `Drafts`): per
+    row its position and K/V slot, per item its attention span, the rows whose logits are
+    wanted and each item's first wanted one (row offsets). A token tree's node sits at the last committed token's position
+    plus its depth, its K/V in the slot after the nodes before it; an item of a proposer's
+    tree node (`tree_keys`) writes its K/V at its last key's position."""
+    positions, slot_mapping, keep, row_offsets = [], [], [], [0]
+    spans = []
+    bs, q_start = block_size, 0
+    for i, (item, n) in enumerate(zip(items, num_new_tokens(items, drafts))):
+        start, end, table = item.start, item.start + n, item.block_table
+        tree = drafts.parents_of(i) if drafts is not None else None
+        if tree is None:
+            positions += range(start, end)
+        else:
+            base = start + len(item.token_ids) - 1
+            positions += range(start, base + 1)
+            positions += [base + len(path) for path in drafts.paths_of(i)]
+        at = range(start, end) if item.tree_keys is None else item.tree_keys[-1:]
+        slot_mapping += [table[p // bs] * bs + p % bs for p in at]
+        spans.append(SeqSpan(q_start, n, end, table, item.prompt_len,
+                             None if tree is None else tuple(tree), tree_keys=item.tree_keys))
+        keep += range(q_start + n - item.num_rows, q_start + n)
+        row_offsets.append(row_offsets[-1] + item.num_rows)
+        q_start += n
+    return positions, slot_mapping, spans, keep, row_offsets
 
 
 @dataclass
