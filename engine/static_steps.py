@@ -241,8 +241,8 @@ class StaticSteps:
     def _execute_tree(self, items, drafts, lengths: list[int]
                       ) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
         """`execute` for a step with token trees: each row a span of its own, laid out as
-        the eager forward lays them out (engine/attention/paged.py `pack`), item i's rows from row
-        i x Q on."""
+        the eager forward lays them out (engine/attention/paged.py `pack`), item i's rows
+        from row i x Q on."""
         b = self._bucket(len(items), self._tree_rows(len(items), max(lengths)), tree=True)
         bs, rows = self.runner.block_size, b.seqs * b.tokens
         positions, slot_mapping, spans, keep, offsets = pack(items, drafts, bs)
@@ -308,7 +308,7 @@ class StaticSteps:
 
 
 def _has_trees(items, drafts) -> bool:
-    """A step with token trees: a verification's, or a proposer's tree-node rows."""
-    return (drafts is not None and drafts.parents is not None
-            and any(drafts.parents_of(i) is not None for i in range(len(items)))) \
+    """A step with token trees: a verification's (`Drafts.parents` is set only where some
+    sequence's drafts are not a chain), or a proposer's tree-node rows."""
+    return (drafts is not None and drafts.parents is not None) \
         or any(it.tree_keys is not None for it in items)

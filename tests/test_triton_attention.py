@@ -156,29 +156,34 @@ def test_unknown_attention_backend_is_a_config_error():
         EngineConfig(attention_backend="flash")
 
 
+def _static_engine(target, backend, graphs, method="none", draft=None, num_blocks=64, **spec):
+    """An engine on a copy of `target` (and `draft`) with `backend` attention and
+    `cuda_graphs` `graphs` (buckets of 1..8 sequences), speculating with `method` (k_max 3,
+    not adaptive; `spec`: further SpeculativeConfig fields)."""
+    from engine.config import SpeculativeConfig
+
+    config = SpeculativeConfig(method=method, k_max=3, adaptive=False, calibrate=False,
+                               draft_model="in-memory" if draft is not None else None, **spec)
+    return LLMEngine(EngineConfig(num_blocks=num_blocks, attention_backend=backend,
+                                  cuda_graphs=graphs, cuda_graph_batch_sizes=[1, 2, 4, 8],
+                                  batch_invariant=False, cpu_matmul_autotune=False,
+                                  speculative=config),
+                     model=clone_model(target),
+                     draft_model=clone_model(draft) if draft is not None else None)
+
+
 @pytest.mark.parametrize("method", ["none", "draft_model", "suffix"])
 def test_static_padded_steps_give_the_eager_engine_s_tokens(method):
     """cuda_graphs: static runs decode and verification steps in padded static buckets (the
     CUDA-graph path without the capture); greedy output equals the eager SDPA engine's."""
-    from engine.config import SpeculativeConfig
-
     target = build_tiny_model("qwen2").to(DEVICE)
     draft = build_tiny_model("qwen2", seed=1).to(DEVICE) if method == "draft_model" else None
     prompts = random_prompts([3, 20, 9, 33, 14], seed=5)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
-    def engine(backend, graphs, method="none", draft=None):
-        spec = SpeculativeConfig(method=method, k_max=3, adaptive=False, calibrate=False,
-                                 draft_model="in-memory" if draft is not None else None)
-        return LLMEngine(EngineConfig(num_blocks=64, attention_backend=backend,
-                                      cuda_graphs=graphs, cuda_graph_batch_sizes=[1, 2, 4, 8],
-                                      batch_invariant=False, cpu_matmul_autotune=False,
-                                      speculative=spec),
-                         model=clone_model(target),
-                         draft_model=clone_model(draft) if draft is not None else None)
-
-    want = [o.output_token_ids for o in engine("sdpa", "off").generate(prompts, params)]
-    eng = engine("triton", "static", method, draft)
+    want = [o.output_token_ids for o in
+            _static_engine(target, "sdpa", "off").generate(prompts, params)]
+    eng = _static_engine(target, "triton", "static", method, draft)
     got = eng.generate(prompts + prompts[:2], params)
     assert [o.output_token_ids for o in got] == want + want[:2]
     assert eng.runner.static.num_static > 0 and eng.runner.static.num_replays == 0
@@ -195,8 +200,6 @@ def test_static_token_tree_steps_give_the_eager_engine_s_tokens(method):
     another: the eager SDPA engine's tokens without speculation."""
     from conftest import staggered
 
-    from engine.config import SpeculativeConfig
-
     target = build_tiny_model("qwen2").to(DEVICE)
     draft = build_tiny_model("qwen2", seed=1).to(DEVICE) if method == "draft_model" else None
     base = random_prompts([14, 9, 20, 6], seed=21)
@@ -208,21 +211,12 @@ def test_static_token_tree_steps_give_the_eager_engine_s_tokens(method):
               SamplingParams(temperature=0.8, seed=i, max_tokens=12, ignore_eos=True)
               for i in range(len(prompts))]
 
-    def engine(backend, graphs, method="none", draft=None):
-        spec = SpeculativeConfig(method=method, k_max=3, adaptive=False, calibrate=False,
-                                 tree_max_nodes=8 if method != "none" else 0,
-                                 draft_model="in-memory" if draft is not None else None,
-                                 lookahead={"window": 2, "ngram": 3, "max_candidates": 2}
-                                 if method == "lookahead" else None)
-        return LLMEngine(EngineConfig(num_blocks=96, attention_backend=backend,
-                                      cuda_graphs=graphs, cuda_graph_batch_sizes=[1, 2, 4, 8],
-                                      batch_invariant=False, cpu_matmul_autotune=False,
-                                      speculative=spec),
-                         model=clone_model(target),
-                         draft_model=clone_model(draft) if draft is not None else None)
-
-    want = [o.output_token_ids for o in staggered(engine("sdpa", "off"), prompts, params)]
-    eng = engine("triton", "static", method, draft)
+    want = [o.output_token_ids for o in
+            staggered(_static_engine(target, "sdpa", "off"), prompts, params)]
+    eng = _static_engine(target, "triton", "static", method, draft, num_blocks=96,
+                         tree_max_nodes=8, lookahead={"window": 2, "ngram": 3,
+                                                     "max_candidates": 2}
+                         if method == "lookahead" else None)
     got = staggered(eng, prompts, params)
     assert [o.output_token_ids for o in got] == want
     assert eng.speculator.stats.num_tree_verifications > 0

@@ -91,9 +91,10 @@ def pack(items: list, drafts, block_size: int
          ) -> tuple[list[int], list[int], list[SeqSpan], list[int], list[int]]:
     """The packed forward of `items` (engine/batch.py `RunItem`s, and their `Drafts`): per
     row its position and K/V slot, per item its attention span, the rows whose logits are
-    wanted and each item's first wanted one (row offsets). A token tree's node sits at the last committed token's position
-    plus its depth, its K/V in the slot after the nodes before it; an item of a proposer's
-    tree node (`tree_keys`) writes its K/V at its last key's position."""
+    wanted and each item's first wanted one (row offsets). A token tree's node sits at the
+    last committed token's position plus its depth, its K/V in the slot after the nodes
+    before it; an item of a proposer's tree node (`tree_keys`) writes its K/V at its last
+    key's position."""
     positions, slot_mapping, keep, row_offsets = [], [], [], [0]
     spans = []
     bs, q_start = block_size, 0
