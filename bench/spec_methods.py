@@ -25,19 +25,25 @@ CPU from the GGUF's blocks; the draft int4 with a 32,768-token vocabulary);
 `--quantization none` runs the bf16 target. Greedy unless stated.
 
 Workloads (prompts written for this project's benchmarks, no external dataset):
-- chat: bench/prompts/chat.jsonl, 8 coding and prose questions;
+- chat: bench/prompts/chat.jsonl, 8 coding and prose questions, then chat_more.jsonl, 16
+  more of the same kinds;
 - code_edit: bench/prompts/code_edit.jsonl, 8 requests whose answer rewrites the given code
-  with a small change (rename, type hints, a fix); `--edit-max-tokens` (96) new tokens, as
-  the answers open with a sentence before the code;
-- repeated: the 8 chat requests issued three times in a row, as an agent loop re-issues its
-  requests (the second and third rounds can be drafted from the first round's outputs);
+  with a small change (rename, type hints, a fix), then code_edit_more.jsonl, 16 more;
+  `--edit-max-tokens` (96) new tokens, as the answers open with a sentence before the code;
+- repeated: the 8 first chat requests issued three times in a row, as an agent loop re-issues
+  its requests (the later ones can be drafted from the earlier ones' outputs);
 - chat_t0.7: the chat requests at temperature 0.7, seeded (under coupled verification the
   target's keyed pick verifies them, as greedy ones);
 - chat_t0.7_unseeded (`--trees` only): the same, unseeded: verified by rejection sampling, with
   the proposer's sampled trees against its sampled chains.
 Each runs at concurrency 1 (one request at a time, the first `--c1-prompts` prompts: 4 by
-default, to fit the run in half an hour on 2 cores) and 8 (all 8 at once; repeated: one round
-of 8 after the other); plain and hybrid also chat at 16 (the 8 prompts twice). Every (method, workload,
+default, to fit the run in half an hour on 2 cores) and 8; plain and hybrid also chat at 16.
+At 8 and 16 the requests run in a closed loop, as clients behind a load balancer keep a server
+busy: that many in flight, each one that finishes replaced at once by the next, `--pool` (24)
+requests in all (repeated: its 8 prompts three times). A batch of equal requests started
+together and awaited together would measure something else: plain decoding finishes them all
+in the same step, while speculation advances them unequally and its last ones drain alone,
+where a step costs nearly what a full batch's does. Every (method, workload,
 concurrency) starts with an empty suffix cache and an empty prefix cache, so no case is helped
 by an earlier case's text. Greedy identity: each method's token ids vs plain's. Every case also
 measures plain_control, a second plain engine, as if it were a method (an A/A test, off with
@@ -45,7 +51,7 @@ measures plain_control, a second plain engine, as if it were a method (an A/A te
 cloud machine, several percent at c=8).
 
     python bench/spec_methods.py [--quantization auto|int4|none] [--max-tokens 48]
-                                 [--c1-prompts 4] [--repeats 2] [--quick] [--no-control]
+                                 [--c1-prompts 4] [--pool 24] [--repeats 2] [--quick] [--no-control]
                                  [--speculator DIR] [--trees] [--medusa DIR] [--lookahead]
 
 Prints a table, ends with a RESULT line, writes bench/results/spec_methods.md
@@ -356,15 +362,30 @@ def forget_history(engine) -> None:
                                   min_token_prob=old.min_token_prob)
 
 
-def run(engine, rounds, params, concurrency):
-    """rounds: lists of prompts issued one round after the other; within a round, `concurrency`
-    requests at a time. Returns (token ids per request, tokens, seconds)."""
-    outputs, t0 = [], time.perf_counter()
-    for prompts in rounds:
-        for lo in range(0, len(prompts), concurrency):
-            batch = prompts[lo:lo + concurrency]
-            ps = params[lo:lo + concurrency] if isinstance(params, list) else params
-            outputs += [o.output_token_ids for o in engine.generate(batch, ps)]
+def run(engine, prompts, params, concurrency):
+    """A closed loop, as a load balancer keeps a server busy: `concurrency` requests in flight,
+    each one that finishes replaced at once by the next prompt, until all have finished (the
+    run's last requests drain with fewer in flight). params: one SamplingParams, or one per
+    prompt. Returns (token ids per request in prompt order, tokens, seconds)."""
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    index: dict[str, int] = {}
+    outputs: list[list[int] | None] = [None] * len(prompts)
+    t0 = time.perf_counter()
+
+    def admit():
+        i = len(index)
+        index[engine.add_request(prompts[i], params[i])] = i
+
+    while len(index) < min(concurrency, len(prompts)):
+        admit()
+    done = 0
+    while done < len(prompts):
+        for o in engine.step():
+            if o.finished:
+                outputs[index[o.request_id]] = o.output_token_ids
+                done += 1
+                if len(index) < len(prompts):
+                    admit()
     seconds = time.perf_counter() - t0
     return outputs, sum(len(o) for o in outputs), seconds
 
@@ -400,6 +421,9 @@ def main() -> int:
     add_pair_arguments(parser)
     parser.add_argument("--c1-prompts", type=int, default=4,
                         help="prompts per workload at concurrency 1")
+    parser.add_argument("--pool", type=int, default=24,
+                        help="requests per workload at concurrency 8 and 16 (closed loop; at "
+                             "most 24: the 8 prompts of a workload, then its 16 more)")
     parser.add_argument("--repeats", type=int, default=2,
                         help="rounds of every method per case, interleaved with plain")
     parser.add_argument("--quick", action="store_true", help="2 prompts, 24 tokens: a smoke run")
@@ -447,31 +471,37 @@ def main() -> int:
                    else EAGLE_METHODS if args.speculator else TREE_METHODS if args.trees
                    else METHODS)
     target, tok, form, draft = load_pair(args)
-    chat = load_prompts(tok, ROOT / "bench/prompts/chat.jsonl")
-    edit = load_prompts(tok, ROOT / "bench/prompts/code_edit.jsonl")
     n = 2 if args.quick else 8
+    pool = 4 if args.quick else args.pool
+    # the first 8 of each workload (concurrency 1 takes its first --c1-prompts), then more of
+    # the same kind for the closed loops at 8 and 16
+    chat = (load_prompts(tok, ROOT / "bench/prompts/chat.jsonl")[:n]
+            + load_prompts(tok, ROOT / "bench/prompts/chat_more.jsonl"))[:pool]
+    edit = (load_prompts(tok, ROOT / "bench/prompts/code_edit.jsonl")[:n]
+            + load_prompts(tok, ROOT / "bench/prompts/code_edit_more.jsonl"))[:pool]
     max_tokens = 24 if args.quick else args.max_tokens
-    chat, edit = chat[:n], edit[:n]
     greedy = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     edit_tokens = max_tokens if args.quick else args.edit_max_tokens
     greedy_edit = SamplingParams(temperature=0, max_tokens=edit_tokens, ignore_eos=True)
     sampled = [SamplingParams(temperature=0.7, seed=100 + i, max_tokens=max_tokens,
-                              ignore_eos=True) for i in range(n)]
-    workloads = {  # name -> (rounds, params, concurrencies)
-        "chat": ([chat], greedy, (1, 8, 16)),
-        "code_edit": ([edit], greedy_edit, (1, 8)),
-        "repeated": ([chat, chat, chat], greedy, (1, 8)),
-        "chat_t0.7": ([chat], sampled, (1, 8)),
+                              ignore_eos=True) for i in range(pool)]
+    c1 = 2 if args.quick else args.c1_prompts
+    # name -> (its requests at concurrency 1, at 8 and 16, params (one, or one per request),
+    # concurrencies); repeated: the first prompts three times in a row
+    workloads = {
+        "chat": (chat[:c1], chat, greedy, (1, 8, 16)),
+        "code_edit": (edit[:c1], edit, greedy_edit, (1, 8)),
+        "repeated": (chat[:c1] * 3, chat[:n] * 3, greedy, (1, 8)),
+        "chat_t0.7": (chat[:c1], chat, sampled, (1, 8)),
     }
     if args.trees:  # unseeded: verified by rejection sampling, with sampled trees
-        workloads["chat_t0.7_unseeded"] = ([chat], SamplingParams(
+        workloads["chat_t0.7_unseeded"] = (chat[:c1], chat, SamplingParams(
             temperature=0.7, max_tokens=max_tokens, ignore_eos=True), (1, 8))
     rates: dict[tuple[str, str, int], float] = {}
     # (engine's method, proposing method, workload, concurrency) -> tokens per verification
     accept_len: dict[tuple[str, str, str, int], float] = {}
     accept_sums: dict[tuple[str, str, str, int], list[int]] = {}  # verifications, accepted
     rows, plain_out, identical = [], {}, {}
-    c1 = 2 if args.quick else args.c1_prompts
     engines = {m: make_engine(m, target, draft, tok, args.k_max, args.draft_vocab_size,
                               args.speculator, args.trees, args.medusa) for m in methods_run}
     hybrid = methods_run[-1]
@@ -479,13 +509,13 @@ def main() -> int:
         engines[CONTROL] = make_engine(CONTROL, target, draft, tok, args.k_max,
                                        args.draft_vocab_size)
 
-    def measure(method, name, c, rounds_c, params_c):
+    def measure(method, name, c, prompts_c, params_c):
         engine = engines[method]
         forget_history(engine)
         st = engine.speculator.stats
         before = {m: list(v) for m, v in (st.by_method.items() if st else [])}
         verifications = dict((m, v[0]) for m, v in (st.by_method.items() if st else []))
-        outs, tokens, seconds = run(engine, rounds_c, params_c, min(c, n * 2))
+        outs, tokens, seconds = run(engine, prompts_c, params_c, c)
         for m, v in (st.by_method.items() if st else []):
             done = v[0] - verifications.get(m, 0)
             if done:  # tokens per verification of this method's drafts, over every round
@@ -502,26 +532,21 @@ def main() -> int:
 
     only = None if args.cases is None else {
         (w, int(c)) for w, c in (case.split(":") for case in args.cases.split(","))}
-    for name, (rounds, params, concs) in workloads.items():
-        for c in (1, 8, 16) if name == "chat" else concs:
+    for name, (first, many, params, concs) in workloads.items():
+        for c in concs:
             if only is not None and (name, c) not in only:
                 continue
-            if c == 16:  # the 8 prompts twice, all at once
-                rounds_c, params_c = [rounds[0] * 2], params
-            elif c == 1:
-                rounds_c = [r[:c1] for r in rounds]
-                params_c = params[:c1] if isinstance(params, list) else params
-            else:
-                rounds_c, params_c = rounds, params
+            prompts_c = first if c == 1 else many
+            params_c = params[:len(prompts_c)] if isinstance(params, list) else params
             methods = ("plain", hybrid) if c == 16 else methods_run
             methods = (*methods, CONTROL) if args.control else methods
             # interleaved: plain, then every method, `repeats` times, and plain once more; a
             # method's ratio in a round is against the mean of the plain runs around it, so a
             # drift of this machine's speed during the case favours no side, and the spread of
             # the rounds' ratios says what the ratio's noise is
-            passes = [{m: measure(m, name, c, rounds_c, params_c) for m in methods}
+            passes = [{m: measure(m, name, c, prompts_c, params_c) for m in methods}
                       for _ in range(args.repeats)]
-            closing = measure("plain", name, c, rounds_c, params_c)
+            closing = measure("plain", name, c, prompts_c, params_c)
             plain_rates = [p["plain"][1] / p["plain"][2] for p in passes]
             plain_rates.append(closing[1] / closing[2])
             plain_out[name, c] = passes[0]["plain"][0]
@@ -573,7 +598,9 @@ def main() -> int:
     details = [f"target {TARGET} ({form}; --quantization {args.quantization}), draft {DRAFT} "
                f"with int4 linears and a vocabulary of {args.draft_vocab_size or 'all'} tokens, "
                f"k_max {args.k_max} (draft model), suffix defaults (max 32 drafts), adaptive",
-               f"{n} prompts per workload ({c1} at concurrency 1), {max_tokens} new tokens "
+               f"requests per workload: {c1} at concurrency 1 (one at a time), {pool} at 8 "
+               f"and 16 (a closed loop: each request that finishes is replaced by the next; "
+               f"repeated: the first {n} prompts three times), {max_tokens} new tokens "
                f"each ({edit_tokens} for code_edit), ignore_eos",
                f"each case: plain, then every method, {args.repeats} times, then plain again; "
                f"x plain is the method's tokens over its seconds in all rounds against "
