@@ -279,7 +279,8 @@ def lookahead_details(engines) -> str:
         parts.append(f"{method}: {pool.window_rows} window rows run, {pool.window_tokens} "
                      f"accepted tokens from window-only n-grams "
                      f"({pool.window_tokens / max(pool.window_rows, 1):.4f} per row; recent "
-                     f"value with the prior {pool.row_value:.4f})")
+                     f"value with the prior {pool.row_value:.4f}), {pool.pool_probes} probes of "
+                     f"priced-out pool proposals")
     pool = engines["lookahead"].speculator.lookahead
     rows = pool.width * (pool.n - 1)
     price = engines["lookahead"].speculator.guard.row_price(1, 1, rows)

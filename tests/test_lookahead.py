@@ -13,7 +13,7 @@ from engine import SamplingParams
 from engine.batch import ROOT, Drafts
 from engine.config import LookaheadConfig, SpeculativeConfig
 from engine.sequence import Sequence
-from engine.spec_decode.lookahead import (PRIOR_ROW_VALUE, PROBE_SHARE,
+from engine.spec_decode.lookahead import (POOL_PROBE_SHARE, PRIOR_ROW_VALUE, PROBE_SHARE,
                                          LookaheadPool)
 from test_eagle import grammar_exactness
 
@@ -92,6 +92,51 @@ def test_window_rows_run_only_where_their_measured_value_beats_the_guards_price(
         spent = sum(runs) * rows * price
         assert PROBE_SHARE * len(runs) * 0.9 <= spent <= PROBE_SHARE * len(runs)
     assert LookaheadPool(LookaheadConfig(window=0)).window_pays(seq, price=0.0) is False
+
+
+def test_priced_out_pool_proposals_are_probed_from_a_small_share():
+    pool = LookaheadPool(LookaheadConfig(window=0, ngram=4))
+    assert not pool.probe(3, price=0.0)  # unpriced rows: the plan drafts whatever pays
+    for nodes, price in ((3, 0.05), (2, 0.4)):
+        runs = [pool.probe(nodes, price) for _ in range(3000)]
+        every = math.ceil(nodes * price / POOL_PROBE_SHARE - 1e-9)  # calls a probe takes
+        assert sum(runs) == len(runs) // every
+        spent = sum(runs) * nodes * price  # at most the share of what the calls stand for
+        assert POOL_PROBE_SHARE * len(runs) * 0.9 <= spent <= POOL_PROBE_SHARE * len(runs)
+
+
+def test_a_pool_the_plan_prices_out_is_still_verified_and_learns(monkeypatch):
+    """Where the plan prices every pool proposal out (after a workload where the pool's n-grams
+    missed, its shared chances are low), probes verify some anyway, at most one sequence a
+    step, so the chances can rise where the n-grams hit (repeated text); the output stays
+    plain's."""
+    target = build_tiny_model(dtype=torch.bfloat16)
+    prompts = _prompts()
+    plain = staggered(make_engine(target, dtype="bfloat16"), prompts, GREEDY)
+    engine = make_engine(target, "lookahead", adaptive=True, dtype="bfloat16",
+                         lookahead={"window": 0})
+    guard = engine.speculator.guard
+    monkeypatch.setattr(guard, "row_price", lambda *a: 0.05)
+    planned = guard.choose
+    monkeypatch.setattr(guard, "choose", lambda *a: planned(*a)._replace(
+        suffix_ks=[0] * len(a[1])))  # (a[1]: the candidates) every proposal priced out
+    pool = engine.speculator.lookahead
+    for source in ("text", "window"):  # missed nearly every time, over a long history
+        pool.hits[source] = [1.0] * pool.n
+        pool.trials[source] = [1e6] * pool.n
+    drafting = []
+    step = engine.step
+
+    def counted():
+        drafting.append(sum(s.num_draft_tokens > 0 for s in engine.scheduler.running))
+        return step()
+
+    engine.step = counted
+    spec = staggered(engine, prompts, GREEDY)
+    assert [o.output_token_ids for o in spec] == [o.output_token_ids for o in plain]
+    verifications, _, accepted = engine.speculator.stats.by_method["lookahead"]
+    assert verifications == pool.pool_probes > 0 and max(drafting) == 1
+    assert accepted > 0 and pool.hits["text"][0] > 1.0  # its shared chances learned the hits
 
 
 def test_the_pools_chances_are_calibrated_per_source():

@@ -54,6 +54,12 @@ PRIOR_STEPS = 8
 # a row costs (an int4 step with the window's 15 rows, ~2x a plain one on two CPU cores: a probe
 # every ~120 sequence-steps; bf16 at c = 8, rows far dearer: far rarer)
 PROBE_SHARE = 0.015
+# the pool's chances are learned from its verified proposals only: where the plan prices every
+# proposal out (after a workload where the pool's n-grams missed, e.g. chat before code edits),
+# nothing would be verified and nothing learned. So a proposal the plan priced out is verified
+# now and then, paid the same way from a smaller share (POOL_PROBE_SHARE per sequence-step
+# whose proposal was priced out; a probe costs its nodes x the price of a row)
+POOL_PROBE_SHARE = 0.005
 
 
 class NgramPool:
@@ -124,6 +130,8 @@ class LookaheadPool:
         # the window's n-grams: accepted tokens they brought, rows they took (decayed)
         self._value = [0.0, 0.0, 0.0]  # tokens, rows, window steps
         self._credit = 0.0  # accepted tokens' worth probes may still spend (PROBE_SHARE)
+        self._pool_credit = 0.0  # ... and probes of priced-out proposals (POOL_PROBE_SHARE)
+        self.pool_probes = 0  # proposals verified as probes (counters)
         self.window_rows = 0  # lookahead rows run (counters)
         self.window_tokens = 0  # accepted tokens of n-grams only the window proposed
 
@@ -231,6 +239,21 @@ class LookaheadPool:
         if self._credit < cost:
             return False
         self._credit = 0.0
+        return True
+
+    def probe(self, nodes: int, price: float) -> bool:
+        """Whether a proposal of the pool that the plan priced out is verified anyway (its first
+        `nodes` nodes, at `price` accepted tokens a row): where the credit every call earns
+        (POOL_PROBE_SHARE) covers what its rows cost, at most one probe's worth saved up. Never
+        where rows are not priced (0: the plan drafts whatever pays)."""
+        if price <= 0.0 or nodes <= 0:
+            return False
+        cost = nodes * price
+        self._pool_credit = min(self._pool_credit + POOL_PROBE_SHARE, cost)
+        if self._pool_credit < cost:
+            return False
+        self._pool_credit = 0.0
+        self.pool_probes += 1
         return True
 
     def window(self, seq: Sequence, first_node: int, max_nodes: int

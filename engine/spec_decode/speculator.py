@@ -40,7 +40,7 @@ from engine.spec_decode.calibration import calibrate
 from engine.spec_decode.draft_model import DraftModelProposer
 from engine.spec_decode.eagle import EagleHead
 from engine.spec_decode.eagle_proposer import EagleProposer
-from engine.spec_decode.guard import Guard, StepRecord
+from engine.spec_decode.guard import Choice, Guard, StepRecord
 from engine.spec_decode.lookahead import LookaheadPool
 from engine.spec_decode.medusa import MedusaHeads
 from engine.spec_decode.medusa_proposer import MedusaProposer
@@ -314,7 +314,27 @@ class Speculator(NoSpeculation):
                                 *self.guard.tree_prices(choice))
         if self.lookahead is not None and mode != "plain":  # (priced at the pass's size with
             # every other draft of the step in it)
+            self._pool_probe(running, candidates, choice, matches)
             self._windows(running, [s for s, k in zip(candidates, choice.draft_ks) if not k])
+
+    def _pool_probe(self, running: list[Sequence], candidates: list[Sequence], choice: Choice,
+                    matches: list[tuple[SuffixDraft, str]]) -> None:
+        """At most one sequence a step verifies the lookahead pool's proposal that the plan
+        priced out (`LookaheadPool.probe`: its chances are learned from verified proposals
+        only), up to ngram - 1 nodes, at the guard's price of a row in this pass."""
+        price = None
+        for s, dk, sk, (match, method) in zip(candidates, choice.draft_ks, choice.suffix_ks,
+                                              matches or []):
+            if dk or sk or method != "lookahead" or not match.token_ids:
+                continue
+            nodes = min(len(match.token_ids), self.lookahead.n - 1)
+            if price is None:
+                price = self.guard.row_price(len(running), sum(
+                    max(r.num_draft_tokens, 0) for r in running) + len(running), nodes)
+            if self.lookahead.probe(nodes, price):
+                self._set_drafts(s, match.token_ids[:nodes], None, (method, match.match_length),
+                                 parents=match.parents[:nodes] if match.parents else None)
+                return
 
     def _windows(self, running: list[Sequence], seqs: list[Sequence]) -> None:
         """Lookahead decoding's window rows after the free drafts (or none) of `seqs`, where
