@@ -112,7 +112,9 @@ def test_a_pool_the_plan_prices_out_is_still_verified_and_learns(monkeypatch):
     plain's."""
     target = build_tiny_model(dtype=torch.bfloat16)
     prompts = _prompts()
-    plain = staggered(make_engine(target, dtype="bfloat16"), prompts, GREEDY)
+    params = [GREEDY, SamplingParams(temperature=0.8, seed=5, max_tokens=40,
+                                     ignore_eos=True)] * 3  # greedy and seeded, batched
+    plain = staggered(make_engine(target, dtype="bfloat16"), prompts, params)
     engine = make_engine(target, "lookahead", adaptive=True, dtype="bfloat16",
                          lookahead={"window": 0})
     guard = engine.speculator.guard
@@ -132,7 +134,7 @@ def test_a_pool_the_plan_prices_out_is_still_verified_and_learns(monkeypatch):
         return step()
 
     engine.step = counted
-    spec = staggered(engine, prompts, GREEDY)
+    spec = staggered(engine, prompts, params)
     assert [o.output_token_ids for o in spec] == [o.output_token_ids for o in plain]
     verifications, _, accepted = engine.speculator.stats.by_method["lookahead"]
     assert verifications == pool.pool_probes > 0 and max(drafting) == 1

@@ -62,6 +62,23 @@ PROBE_SHARE = 0.015
 POOL_PROBE_SHARE = 0.005
 
 
+class _ProbeCredit:
+    """Accepted tokens' worth that probes may spend: every call earns `share`, at most one
+    probe's worth is saved up, and a probe spends it all."""
+
+    def __init__(self, share: float) -> None:
+        self.share = share
+        self._credit = 0.0
+
+    def spend(self, cost: float) -> bool:
+        """Whether a probe costing `cost` runs now (this call's share counted first)."""
+        self._credit = min(self._credit + self.share, cost)
+        if self._credit < cost:
+            return False
+        self._credit = 0.0
+        return True
+
+
 class NgramPool:
     """Continuations (ngram - 1 tokens) per first token, the most recently seen last; each
     with its source ("text" wins over "window": text proposes it anyway)."""
@@ -129,8 +146,8 @@ class LookaheadPool:
         self.trials = {s: [PRIOR_WEIGHT] * self.n for s in SOURCES}
         # the window's n-grams: accepted tokens they brought, rows they took (decayed)
         self._value = [0.0, 0.0, 0.0]  # tokens, rows, window steps
-        self._credit = 0.0  # accepted tokens' worth probes may still spend (PROBE_SHARE)
-        self._pool_credit = 0.0  # ... and probes of priced-out proposals (POOL_PROBE_SHARE)
+        self._window_credit = _ProbeCredit(PROBE_SHARE)  # the window's probes
+        self._pool_credit = _ProbeCredit(POOL_PROBE_SHARE)  # priced-out proposals' probes
         self.pool_probes = 0  # proposals verified as probes (counters)
         self.window_rows = 0  # lookahead rows run (counters)
         self.window_tokens = 0  # accepted tokens of n-grams only the window proposed
@@ -234,12 +251,7 @@ class LookaheadPool:
             return False
         if self.row_value >= price:
             return True
-        cost = self.width * (self.n - 1) * price
-        self._credit = min(self._credit + PROBE_SHARE, cost)
-        if self._credit < cost:
-            return False
-        self._credit = 0.0
-        return True
+        return self._window_credit.spend(self.width * (self.n - 1) * price)
 
     def probe(self, nodes: int, price: float) -> bool:
         """Whether a proposal of the pool that the plan priced out is verified anyway (its first
@@ -248,11 +260,8 @@ class LookaheadPool:
         where rows are not priced (0: the plan drafts whatever pays)."""
         if price <= 0.0 or nodes <= 0:
             return False
-        cost = nodes * price
-        self._pool_credit = min(self._pool_credit + POOL_PROBE_SHARE, cost)
-        if self._pool_credit < cost:
+        if not self._pool_credit.spend(nodes * price):
             return False
-        self._pool_credit = 0.0
         self.pool_probes += 1
         return True
 

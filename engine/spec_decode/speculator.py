@@ -329,12 +329,17 @@ class Speculator(NoSpeculation):
                 continue
             nodes = min(len(match.token_ids), self.lookahead.n - 1)
             if price is None:
-                price = self.guard.row_price(len(running), sum(
-                    max(r.num_draft_tokens, 0) for r in running) + len(running), nodes)
+                price = self._row_price(running, nodes)
             if self.lookahead.probe(nodes, price):
                 self._set_drafts(s, match.token_ids[:nodes], None, (method, match.match_length),
                                  parents=match.parents[:nodes] if match.parents else None)
                 return
+
+    def _row_price(self, running: list[Sequence], rows: int) -> float:
+        """The guard's price of `rows` more rows in the coming pass: the running batch's
+        tokens with every draft chosen so far."""
+        return self.guard.row_price(len(running), sum(
+            max(s.num_draft_tokens, 0) for s in running) + len(running), rows)
 
     def _windows(self, running: list[Sequence], seqs: list[Sequence]) -> None:
         """Lookahead decoding's window rows after the free drafts (or none) of `seqs`, where
@@ -356,8 +361,7 @@ class Speculator(NoSpeculation):
                 continue
             if price is None:
                 rows = self.lookahead.width * (self.lookahead.n - 1)
-                price = self.guard.row_price(len(running), sum(
-                    max(s.num_draft_tokens, 0) for s in running) + len(running), rows)
+                price = self._row_price(running, rows)
             if not self.lookahead.window_pays(seq, price):
                 continue
             ids, parents = self.lookahead.window(seq, k, min(
