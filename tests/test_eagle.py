@@ -474,11 +474,11 @@ def test_answers_are_collected_continuously_and_a_rerun_answers_only_the_rest(tm
     first = collector(tmp_path / "two")
     assert first.collect(prompts[:6], time.monotonic() + 600, "test") == 6
     again = collector(tmp_path / "two")
-    have = again.answered(again.shards())
+    have = again.answered()
     assert sorted(have) == list(range(6))
     assert again.collect([p for p in prompts if p[0] not in have],
                          time.monotonic() + 600, "test") == 4
-    both, whole = again.answered(again.shards()), one.answered(one.shards())
+    both, whole = again.answered(), one.answered()
     assert sorted(both) == sorted(whole) == list(range(10))
     for i in range(0, 10, 2):  # the greedy ones (odd prompts are sampled at T 0.7)
         assert torch.equal(both[i].ids, whole[i].ids)

@@ -191,3 +191,46 @@ def test_medusa_on_cuda_with_cuda_graphs_equals_plain(tmp_path):
                              tree_max_nodes=tree)
         assert [o.output_token_ids for o in engine.generate(prompts, greedy)] == \
             [o.output_token_ids for o in plain]
+
+
+def test_answers_saved_for_an_eagle_head_serve_medusa_with_its_own_layers_features(tmp_path):
+    """A folder whose saved answers an EAGLE head's run captured (three layers) and a Medusa
+    run (the last layer) reads them back: same answers and distributions, the features of
+    Medusa's layer, equal to those a Medusa run's own collection records (within 2e-5: one
+    teacher-forced forward against the decode steps)."""
+    import time
+
+    from engine.spec_decode.eagle import head_config
+    from training.speculator import Collector, _engine, encode, read_prompts
+
+    tok = build_tokenizer()
+    prompts = [(i, encode(tok, p)) for i, p in enumerate(read_prompts(None)[:4])]
+    eagle_layers = head_config(tiny_target(), "tiny", list(range(320))).layers
+    medusa_layers = medusa.medusa_config(tiny_target(), "tiny", list(range(320)), 3).layers
+    assert len(eagle_layers) == 3 and medusa_layers == [LAYERS - 1]
+
+    def collector(out, layers):
+        opts = TrainOptions(target="tiny", out=str(out), max_new_tokens=12, concurrency=4,
+                            quantization="none", dtype="float32", progress=False,
+                            temperatures=(0.0,),
+                            engine_overrides=dict(num_blocks=256, cpu_matmul_autotune=False))
+        return Collector(opts, _engine(opts, tiny_target(), tok), layers)
+
+    assert collector(tmp_path / "mixed", eagle_layers).collect(
+        prompts, time.monotonic() + 600, "test") == 4
+    assert collector(tmp_path / "own", medusa_layers).collect(
+        prompts, time.monotonic() + 600, "test") == 4
+    eagle = collector(tmp_path / "mixed", eagle_layers).answered()
+    read = collector(tmp_path / "mixed", medusa_layers).answered()
+    own = collector(tmp_path / "own", medusa_layers).answered()
+    assert sorted(read) == sorted(own) == list(range(4))
+    for i in range(4):
+        assert eagle[i].features.shape[-1] == 3 * read[i].features.shape[-1]
+        assert read[i].features.shape == own[i].features.shape
+        assert torch.equal(read[i].ids, own[i].ids) and torch.equal(read[i].mask, own[i].mask)
+        assert torch.equal(read[i].top_ids, eagle[i].top_ids)
+        scale = own[i].features.float().abs().max()
+        assert (read[i].features.float() - own[i].features.float()).abs().max() <= 2e-5 * scale
+    # the shards name their layers: a read with the layers they hold changes nothing
+    again = collector(tmp_path / "mixed", eagle_layers).answered()
+    assert all(torch.equal(again[i].features, eagle[i].features) for i in range(4))

@@ -102,7 +102,7 @@ def test_teacher_forced_features_are_the_serving_paths(tmp_path):
     collector = Collector(opts, _engine(opts, tiny_target(), tok), [1, 1, 0])
     prompts = [(i, encode(tok, p)) for i, p in enumerate(read_prompts(None)[:4])]
     collector.collect(prompts, time.monotonic() + 600, "test")
-    served = collector.answered(collector.shards())
+    served = collector.answered()
     target = collector.engine.runner.model
     for i, ids in prompts:
         ex = served[i]

@@ -36,7 +36,7 @@ import math
 import os
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -181,6 +181,20 @@ def teacher_forced(model: torch.nn.Module, layers: list[int], ids: list[int],
     return Example(t[0].cpu(), hidden.to(torch.bfloat16).cpu(), all_ids, all_probs, mask)
 
 
+@torch.inference_mode()
+def refeature(model: torch.nn.Module, layers: list[int], example: Example) -> Example:
+    """`example` with the features of `layers` (one forward of its token ids, as
+    `teacher_forced` runs it); its answer, mask and the target's distributions are kept."""
+    from engine.models import lean_forward
+
+    device = next(model.parameters()).device
+    ids = example.ids.to(device)[None]
+    _, hidden = lean_forward.forward(model, ids, torch.arange(ids.shape[1], device=device)[None],
+                                     torch.arange(0, device=device), tuple(layers))
+    features = hidden.to(torch.bfloat16).cpu()[:example.features.shape[0]]
+    return replace(example, features=features)
+
+
 class Recorder(NoSpeculation):
     """The engine's speculation hooks recording instead of speculating: per request, the
     captured layers' outputs at every position the target computes and its next-token top-k
@@ -225,7 +239,7 @@ class Collector:
     """Shards of examples under out/data: the target's answers, recorded as it generates."""
 
     def __init__(self, opts: TrainOptions, engine, layers: list[int]) -> None:
-        self.opts, self.engine = opts, engine
+        self.opts, self.engine, self.layers = opts, engine, list(layers)
         self.dir = Path(opts.out) / "data"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.recorder = Recorder()
@@ -235,15 +249,29 @@ class Collector:
     def shards(self) -> list[dict]:
         return [torch.load(p, weights_only=False) for p in sorted(self.dir.glob("shard-*.pt"))]
 
-    @staticmethod
-    def answered(shards: list[dict]) -> dict[int, Example]:
+    def answered(self) -> dict[int, Example]:
         """The saved examples by their prompt's index (a shard of an older run holds the
-        prompts from its `first` on, in order)."""
+        prompts from its `first` on, in order). A shard captured at other layers (a head of
+        the other kind trained in this folder: EAGLE reads three layers, Medusa the last) keeps
+        its answers and the target's distributions, and gets the features of these layers
+        from one teacher-forced forward of each answer (`refeature`)."""
         out: dict[int, Example] = {}
-        for shard in shards:
+        model = self.engine.runner.model
+        width = len(self.layers) * model.config.get_text_config().hidden_size
+        stale = 0
+        for shard in self.shards():
             indices = shard.get("indices") or range(shard["first"],
                                                     shard["first"] + len(shard["examples"]))
-            out.update(zip(indices, shard["examples"]))
+            examples = shard["examples"]
+            # (a shard of an older run does not name its layers: its features' width tells)
+            if shard.get("layers", self.layers) != self.layers or any(
+                    e.features.shape[-1] != width for e in examples):
+                examples = [refeature(model, self.layers, e) for e in examples]
+                stale += len(examples)
+            out.update(zip(indices, examples))
+        if stale:
+            log.info("%d saved answers were captured at other layers: their features re-read "
+                     "at layers %s", stale, self.layers)
         return out
 
     def collect(self, prompts: list[tuple[int, list[int]]], deadline: float, label: str) -> int:
@@ -259,7 +287,7 @@ class Collector:
 
         def save() -> None:
             torch.save({"first": min(i for i, _ in done), "indices": [i for i, _ in done],
-                        "examples": [e for _, e in done]},
+                        "layers": self.layers, "examples": [e for _, e in done]},
                        self.dir / f"shard-{min(i for i, _ in done):06d}-{len(done):03d}.pt")
             done.clear()
 
@@ -522,13 +550,13 @@ def _answered_examples(opts: TrainOptions, engine, tok, layers: list[int],
     prompts = [p[:opts.max_seq_len // 2] for p in prompts if p]
     held = min(opts.held_out, max(len(prompts) // 5, 1))
     collector = Collector(opts, engine, layers)
-    answered = collector.answered(collector.shards())  # (a rerun's saved answers)
+    answered = collector.answered()  # (a rerun's saved answers)
     missing = [(i, p) for i, p in enumerate(prompts) if i not in answered]
     if missing:
         # the held-out conversations first: the report needs them whatever the budget
         collector.collect(missing, max(data_deadline, time.monotonic() + 1.0)
                           if any(i < held for i, _ in missing) else data_deadline, "generating")
-        answered = collector.answered(collector.shards())
+        answered = collector.answered()
     return [answered[i] for i in sorted(answered)], held
 
 
