@@ -193,7 +193,8 @@ def test_medusa_on_cuda_with_cuda_graphs_equals_plain(tmp_path):
             [o.output_token_ids for o in plain]
 
 
-def test_answers_saved_for_an_eagle_head_serve_medusa_with_its_own_layers_features(tmp_path):
+def test_answers_saved_for_an_eagle_head_serve_medusa_with_its_own_layers_features(tmp_path,
+                                                                                   monkeypatch):
     """A folder whose saved answers an EAGLE head's run captured (three layers) and a Medusa
     run (the last layer) reads them back: same answers and distributions, the features of
     Medusa's layer, equal to those a Medusa run's own collection records (within 2e-5: one
@@ -231,6 +232,15 @@ def test_answers_saved_for_an_eagle_head_serve_medusa_with_its_own_layers_featur
         assert torch.equal(read[i].top_ids, eagle[i].top_ids)
         scale = own[i].features.float().abs().max()
         assert (read[i].features.float() - own[i].features.float()).abs().max() <= 2e-5 * scale
-    # the shards name their layers: a read with the layers they hold changes nothing
-    again = collector(tmp_path / "mixed", eagle_layers).answered()
-    assert all(torch.equal(again[i].features, eagle[i].features) for i in range(4))
+    # the shards were saved with Medusa's features, and name their layers: a second read
+    # computes nothing and gets the same
+    shards = collector(tmp_path / "mixed", medusa_layers).shards()
+    assert shards and all(shard["layers"] == medusa_layers for _, shard in shards)
+    import training.speculator
+
+    def forward(*args):
+        raise AssertionError("re-read features of a shard that has them")
+
+    monkeypatch.setattr(training.speculator, "refeature", forward)
+    second = collector(tmp_path / "mixed", medusa_layers).answered()
+    assert all(torch.equal(second[i].features, read[i].features) for i in range(4))

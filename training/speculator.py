@@ -246,20 +246,22 @@ class Collector:
         engine.runner.enable_capture(layers)
         engine.speculator = self.recorder
 
-    def shards(self) -> list[dict]:
-        return [torch.load(p, weights_only=False) for p in sorted(self.dir.glob("shard-*.pt"))]
+    def shards(self) -> list[tuple[Path, dict]]:
+        return [(p, torch.load(p, weights_only=False))
+                for p in sorted(self.dir.glob("shard-*.pt"))]
 
     def answered(self) -> dict[int, Example]:
         """The saved examples by their prompt's index (a shard of an older run holds the
         prompts from its `first` on, in order). A shard captured at other layers (a head of
         the other kind trained in this folder: EAGLE reads three layers, Medusa the last) keeps
         its answers and the target's distributions, and gets the features of these layers
-        from one teacher-forced forward of each answer (`refeature`)."""
+        from one teacher-forced forward of each answer (`refeature`); the shard is saved so,
+        for the next run of this kind."""
         out: dict[int, Example] = {}
         model = self.engine.runner.model
         width = len(self.layers) * model.config.get_text_config().hidden_size
         stale = 0
-        for shard in self.shards():
+        for path, shard in self.shards():
             indices = shard.get("indices") or range(shard["first"],
                                                     shard["first"] + len(shard["examples"]))
             examples = shard["examples"]
@@ -268,6 +270,10 @@ class Collector:
                     e.features.shape[-1] != width for e in examples):
                 examples = [refeature(model, self.layers, e) for e in examples]
                 stale += len(examples)
+                partial = path.with_suffix(".partial")
+                torch.save({**shard, "indices": list(indices), "layers": self.layers,
+                            "examples": examples}, partial)
+                partial.replace(path)  # (a run killed here leaves the old shard whole)
             out.update(zip(indices, examples))
         if stale:
             log.info("%d saved answers were captured at other layers: their features re-read "
