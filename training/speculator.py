@@ -164,14 +164,8 @@ def teacher_forced(model: torch.nn.Module, layers: list[int], ids: list[int],
                    answer_from: int) -> Example:
     """One forward of `ids` through the target: features and next-token top-k at every
     position; positions from answer_from - 1 on predict answer tokens (trained on)."""
-    from engine.models import lean_forward
-
-    device = next(model.parameters()).device
-    t = torch.tensor([ids], device=device)
     first = max(answer_from - 1, 0)  # logits only where the next token is trained on
-    logits, hidden = lean_forward.forward(model, t, torch.arange(len(ids), device=device)[None],
-                                          torch.arange(first, len(ids), device=device),
-                                          tuple(layers))
+    t, logits, hidden = _forward(model, layers, ids, first)
     top_probs, top_ids = torch.softmax(logits[0].float(), dim=-1).topk(TOP_K, dim=-1)
     all_ids = torch.zeros((len(ids), TOP_K), dtype=torch.int32)
     all_probs = torch.zeros((len(ids), TOP_K), dtype=torch.float16)
@@ -185,14 +179,22 @@ def teacher_forced(model: torch.nn.Module, layers: list[int], ids: list[int],
 def refeature(model: torch.nn.Module, layers: list[int], example: Example) -> Example:
     """`example` with the features of `layers` (one forward of its token ids, as
     `teacher_forced` runs it); its answer, mask and the target's distributions are kept."""
+    _, _, hidden = _forward(model, layers, example.ids.tolist(), len(example.ids))
+    return replace(example, features=hidden.to(torch.bfloat16).cpu()[:len(example.features)])
+
+
+def _forward(model: torch.nn.Module, layers: list[int], ids: list[int], first: int
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One forward of `ids` through the target: (ids on its device, logits at positions
+    `first` on, the outputs of `layers` at every position)."""
     from engine.models import lean_forward
 
     device = next(model.parameters()).device
-    ids = example.ids.to(device)[None]
-    _, hidden = lean_forward.forward(model, ids, torch.arange(ids.shape[1], device=device)[None],
-                                     torch.arange(0, device=device), tuple(layers))
-    features = hidden.to(torch.bfloat16).cpu()[:example.features.shape[0]]
-    return replace(example, features=features)
+    t = torch.tensor([ids], device=device)
+    logits, hidden = lean_forward.forward(model, t, torch.arange(len(ids), device=device)[None],
+                                          torch.arange(first, len(ids), device=device),
+                                          tuple(layers))
+    return t, logits, hidden
 
 
 class Recorder(NoSpeculation):
