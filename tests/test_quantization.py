@@ -57,14 +57,62 @@ def test_int4_linear_computes_its_dequantized_weight(dtype):
 
 
 def test_vnni_packing_round_trip():
+    """The plain form (scales anywhere): fp16 scales and offsets, as packed."""
     torch.manual_seed(3)
     codes = torch.randint(0, 16, (48, 96), dtype=torch.uint8)
     scale, offset = torch.rand(48, 3), -torch.rand(48, 3)
-    packed, sc, off = pack_vnni(codes, scale, offset)
-    assert packed.shape == (3, 3, 256) and sc.shape == (3, 3, 16)
-    back, sc2, off2 = unpack_vnni(packed, sc, off)
+    packed, groups, units = pack_vnni(codes, scale, offset)
+    assert packed.shape == (3, 3, 256) and groups.shape == (3, 3, 32) and not units.numel()
+    assert groups.dtype == torch.float16
+    back, sc2, off2 = unpack_vnni(packed, groups, units)
     assert torch.equal(back, codes)
-    assert torch.equal(sc2, scale.half()) and torch.equal(off2, offset.half())
+    assert torch.equal(sc2, scale.half().float()) and torch.equal(off2, offset.half().float())
+
+
+def _q4_k_scales(gen, rows, groups, top=63):
+    """Q4_K's scales and offsets: per super-block of 8 groups d and dmin (fp16), 6-bit sub-scales
+    and mins with the largest `top` in the first row and 63 in the others (llama.cpp's
+    quantizer: 63)."""
+    runs = -(-groups // 8)
+    d = (torch.rand(rows, runs, 1, generator=gen) * 1e-3).half().float()
+    dmin = (torch.rand(rows, runs, 1, generator=gen) * 1e-2).half().float()
+    tops = torch.full((rows, runs, 1), 63)
+    tops[0] = top
+    sc = (torch.rand(rows, runs, 8, generator=gen) * (tops + 1)).long()
+    mn = (torch.rand(rows, runs, 8, generator=gen) * (tops + 1)).long()
+    sc[..., 0], mn[..., 3] = tops[..., 0], tops[..., 0]
+    return ((d * sc).reshape(rows, -1)[:, :groups].contiguous(),
+            (-(dmin * mn)).reshape(rows, -1)[:, :groups].contiguous())
+
+
+@pytest.mark.parametrize("top", [63, 41])
+def test_vnni_compact_form_keeps_q4_k_and_round_to_nearest_scales_exactly(top):
+    """Q4_K's scales (d * sc, -dmin * m) and our round-to-nearest ones pack as 8-bit multiples
+    of fp16 units per 8 groups and unpack to the very fp32 values; also for a share of the
+    input features that ends within a run (a tensor-parallel split of 8960 columns), and where
+    a few super-blocks' largest code is not 63."""
+    gen = torch.Generator().manual_seed(4)
+    for groups in (16, 140):
+        rows = 128 if groups == 16 else 32  # (at most 1% of the runs off 63: 1 row of 128)
+        codes = torch.randint(0, 16, (rows, 32 * groups), dtype=torch.uint8, generator=gen)
+        for scale, offset in (_q4_k_scales(gen, rows, groups, top if rows == 128 else 63),
+                              quantize_int4_rtn(torch.randn(rows, 32 * groups, generator=gen))[1:]):
+            packed, multiples, units = pack_vnni(codes, scale, offset)
+            assert multiples.dtype == torch.uint8 and multiples.shape == (rows // 16, groups, 32)
+            assert units.dtype == torch.float16
+            assert units.shape == (rows // 16, -(-groups // 8), 32)
+            back, sc2, off2 = unpack_vnni(packed, multiples, units)
+            assert torch.equal(back, codes)
+            assert torch.equal(sc2, scale) and torch.equal(off2, offset)
+    # 36 bytes of scales per 256 of codes, against the plain form's 64
+    assert (multiples.numel() + 2 * units.numel()) / packed.numel() == (140 * 32 + 18 * 64) / (
+        140 * 256)
+    # scales of every super-block off 63 (not llama.cpp's quantizer): the plain form
+    scale, offset = _q4_k_scales(gen, 1, 16, top)
+    scale, offset = scale.expand(32, -1), offset.expand(32, -1)
+    _, groups_, units = pack_vnni(codes[:32, :512], scale, offset)
+    assert (groups_.dtype, units.numel() == 0) == ((torch.uint8, False) if top == 63
+                                                   else (torch.float16, True))
 
 
 def _vnni_reference(x, codes, scale16, offset16, bias):
@@ -82,28 +130,40 @@ def _vnni_reference(x, codes, scale16, offset16, bias):
     return y if bias is None else y + bias.double()
 
 
+def _off_grid(scale):
+    """The scales moved off the compact form's grid: the layer packs them in the plain form."""
+    return scale * (1 + 1e-3 * torch.rand(scale.shape, generator=torch.Generator().manual_seed(9)))
+
+
 @needs_vnni
+@pytest.mark.parametrize("form", ["compact", "plain"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_vnni_int4_linear_computes_int8_activations_against_its_weight(dtype):
+def test_vnni_int4_linear_computes_int8_activations_against_its_weight(dtype, form):
     """Our kernel equals its specification (a float64 model of the same arithmetic) to float
     rounding, and the product with the de-quantized weight within the int8 activations'
-    error; the weight it uses is the codes with fp16 scales and offsets."""
+    error; the weight it uses is the codes with the scales and offsets as given (compact form)
+    or rounded to fp16 (plain form)."""
     torch.manual_seed(0)
     w = torch.randn(96, 256)
     codes, scale, offset = quantize_int4_rtn(w)
+    if form == "plain":
+        scale = _off_grid(scale)
     bias = torch.randn(96)
     layer = Int4Linear(codes, scale, offset, bias, dtype, "cpu", kernel="vnni")
-    assert layer.kernel == "vnni"
+    assert layer.kernel == "vnni" and layer.compact == (form == "compact")
     x = torch.randn(7, 256).to(dtype)
     x[3, 32:64] = 0  # a group of zeros: no scale to divide by
     got = layer(x[None])[0]
     assert got.dtype == dtype and got.shape == (7, 96)
-    spec = _vnni_reference(x, codes, scale.half(), offset.half(), bias)
+    stored = (scale, offset) if form == "compact" else (scale.half(), offset.half())
+    spec = _vnni_reference(x, codes, *stored, bias)
     spec_tol = (1e-4 if dtype == torch.float32 else 2 ** -7) * spec.abs().max().item()
     assert (got.double() - spec).abs().max().item() <= spec_tol
     full = x.double() @ _dequantized(codes, scale, offset).t() + bias.double()
     assert (got.double() - full).abs().max().item() <= 0.03 * full.abs().max().item()
     err = (layer.dequantized().double() - _dequantized(codes, scale, offset)).abs()
+    if form == "compact":
+        assert not err.any()
     bound = (15 * scale.double().abs() + offset.double().abs()) * 2 ** -11
     assert (err <= bound.repeat_interleave(32, 1) + 1e-12).all()
 
@@ -138,22 +198,37 @@ def test_merged_int4_layers_keep_each_outputs_bits_and_hold_no_weight_twice(bias
     other = Int4Linear(*quantize_int4_rtn(torch.randn(32, 128, generator=gen)), None,
                        torch.bfloat16, "cpu", kernel="vnni")
     assert Int4Linear.merged([parts[0], other]) is None  # another input size
+    codes, scale, offset = quantize_int4_rtn(torch.randn(32, 256, generator=gen))
+    plain = Int4Linear(codes, _off_grid(scale), offset,
+                       torch.randn(32, generator=gen) if bias else None, torch.bfloat16, "cpu",
+                       kernel="vnni")
+    compact = layer(32)
+    assert compact.compact and not plain.compact
+    y = compact(x), plain(x)
+    both = Int4Linear.merged([compact, plain])  # the two forms: both plain, then merged
+    assert not both.compact and not compact.compact and not plain.compact
+    assert torch.equal(both(x)[:, 32:], y[1]) and torch.equal(compact(x), both(x)[:, :32])
+    assert (compact(x).float() - y[0].float()).abs().max() <= 0.02 * y[0].abs().max()
 
 
 @needs_vnni
+@pytest.mark.parametrize("form", ["compact", "plain"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_vnni_kernel_gives_a_row_its_one_row_bits_at_any_row_count(dtype):
+def test_vnni_kernel_gives_a_row_its_one_row_bits_at_any_row_count(dtype, form):
     """Every row has the bits it has alone, 1..20 rows (the kernel's passes of 8 rows and
-    their remainders), with a bias, at a packaged shape."""
+    their remainders), with a bias, at a packaged shape, in either form of the scales."""
     gen = torch.Generator().manual_seed(5)
     codes, scale, offset = quantize_int4_rtn(torch.randn(256, 1536, generator=gen))
+    if form == "plain":
+        scale = _off_grid(scale)
     layer = Int4Linear(codes, scale, offset, torch.randn(256, generator=gen), dtype, "cpu",
                        kernel="vnni")
+    assert layer.compact == (form == "compact")
     x = (torch.randn(20, 1536, generator=gen) * torch.logspace(-2, 2, 20)[:, None]).to(dtype)
     alone = torch.cat([layer.matmul(x[i:i + 1]) for i in range(20)])
     for m in (2, 3, 5, 8, 9, 16, 20):
         assert torch.equal(layer.matmul(x[:m]), alone[:m])
-    spec = _vnni_reference(x, codes, scale.half(), offset.half(), layer.bias)
+    spec = _vnni_reference(x, codes, *unpack_vnni(*layer.vnni_buffers)[1:], layer.bias)
     tol = (1e-4 if dtype == torch.float32 else 2 ** -7) * spec.abs().max().item()
     assert (layer.matmul(x).double() - spec).abs().max().item() <= tol
 

@@ -200,9 +200,16 @@ def test_a_split_model_keeps_its_share_of_heads_and_mlp():
 def test_a_shares_stored_int4_groups_are_its_slice_of_the_whole_layers():
     """What quantization does with a GGUF's stored groups for a share (rows of a
     column-parallel layer, group-aligned columns of a row-parallel one): the same codes, scales
-    and offsets as quantizing the share's own weights group by group."""
-    from engine.kernels.quant_linear import quantize_int4_rtn
+    and offsets as quantizing the share's own weights group by group (as a Q4_0/Q4_1 file's
+    groups are, each on its own)."""
     from engine.models.quantize import _slice_groups
+
+    def quantize_int4_rtn(w):  # each group from its own minimum and maximum
+        w = w.detach().float().reshape(w.shape[0], -1, 32)
+        lo, hi = w.amin(-1), w.amax(-1)
+        step = (hi - lo) / 15
+        codes = ((w - lo[..., None]) / step[..., None]).round().clamp(0, 15)
+        return codes.reshape(w.shape[0], -1).to(torch.uint8), step, lo
 
     model = build_tiny_model("qwen2", num_key_value_heads=1)
     for rank in (0, 1):

@@ -9,7 +9,9 @@ is engine/models/quantize.py's business.
   the file's own. Two kernels (`kernel`):
   - "vnni" (the CPU default where the CPU has AVX-512 VNNI): our own kernel
     (engine/kernels/csrc/int4_vnni.cpp, compiled once per machine: engine/kernels/cpu_ext.py),
-    the form llama.cpp runs its Q4 files in. Scale and offset are stored as fp16: a weight
+    the form llama.cpp runs its Q4 files in. Scales and offsets are stored as Q4_K stores
+    them, 8-bit multiples of an fp16 unit per run of 8 groups (`pack_vnni`'s compact form:
+    exact for a Q4_K layer and for `quantize_int4_rtn`'s), otherwise as fp16: a weight then
     moves by at most (15 * |scale| + |offset|) * 2^-11, against |w| * 2^-9 for the bf16
     reference. The ACTIVATIONS are quantized per row and group of 32 to int8
     (a = round(x * 127 / max|x|): each product carries an error of at most 1/254 of its
@@ -54,32 +56,94 @@ def vnni_kernel():
     return cpu_ext.load("int4_vnni")
 
 
-def pack_vnni(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor):
+VNNI_BUFFERS = ("codes_vnni", "groups_vnni", "units_vnni")
+RUN = 8  # groups per unit of the VNNI kernel's compact scales (256 inputs: Q4_K's super-block)
+
+
+def pack_vnni(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
+              compact: bool = True):
     """[N, K] codes, [N, G] scale and offset -> the VNNI kernel's layout (see its source):
-    codes [N/16, G, 256] uint8, scale and offset [N/16, G, 16] fp16."""
+    (codes [N/16, G, 256] uint8, groups, units). The compact form where every run of RUN groups
+    of a row has its scales as exact multiples 0..255 of one fp16 unit and its offsets as exact
+    multiples -127..127 of another (a GGUF Q4_K layer: d and dmin; our round-to-nearest
+    layers): groups [N/16, G, 32] uint8, units [N/16, ceil(G / RUN), 32] fp16. Otherwise
+    the plain form (also where `compact` is False): groups [N/16, G, 32] fp16 (the values
+    rounded to fp16), units empty."""
     n, k = codes.shape
     g, nb = k // GROUP_SIZE, n // VNNI_BLOCK
     c = codes.to(torch.uint8).reshape(nb, VNNI_BLOCK, g, 4, 2, 4).permute(0, 2, 3, 4, 1, 5)
     packed = (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).reshape(nb, g, 256).contiguous()
 
-    def blocked(t):
-        return t.to(torch.float16).reshape(nb, VNNI_BLOCK, g).transpose(1, 2).contiguous()
+    def blocked(t):  # [N, X] -> [N/16, X, 16]
+        return t.reshape(nb, VNNI_BLOCK, -1).transpose(1, 2)
 
-    return packed, blocked(scale), blocked(offset)
+    scales = _multiples(scale.float(), 255, False) if compact else None
+    offsets = _multiples(offset.float(), 127, True) if scales is not None else None
+    if scales is None or offsets is None:
+        both = torch.cat([blocked(scale.half()), blocked(offset.half())], dim=2)
+        return packed, both.contiguous(), torch.empty(0, dtype=torch.float16)
+    groups = torch.cat([blocked(scales[0].to(torch.uint8)),
+                        blocked(offsets[0].to(torch.int8).view(torch.uint8))], dim=2)
+    units = torch.cat([blocked(scales[1]), blocked(offsets[1])], dim=2)
+    return packed, groups.contiguous(), units.contiguous()
 
 
-def unpack_vnni(packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor):
-    """Inverse of `pack_vnni` (scale and offset as the fp16 values stored)."""
+def _multiples(values: torch.Tensor, limit: int, signed: bool, tries: int = 16):
+    """values [N, G] fp32 -> (multiples [N, G] int32, units [N, ceil(G / RUN)] fp16) with
+    values == units * multiples exactly (fp32) for every run of RUN groups of a row, the
+    multiples in 0..limit (-limit..limit if signed); None where some run has none.
+
+    A run's unit is its largest |value| over j for some j <= limit: Q4_K's (63: llama.cpp's
+    quantizer gives a super-block's largest scale and min the 6-bit code 63), our
+    round-to-nearest's (`limit`, or a little less where the unit is an fp16 subnormal), then,
+    where at most 1% of the runs are left after `tries` values of j, every other j for those."""
+    n, g = values.shape
+    s = -(-g // RUN)
+    v = torch.zeros(n, s * RUN)
+    v[:, :g] = values
+    v = v.view(n * s, RUN)
+    top = v.abs().amax(-1)
+    if not signed and (v < 0).any():
+        return None
+    mult = torch.zeros(n * s, RUN)
+    unit = torch.zeros(n * s)
+    todo = (top > 0).nonzero().flatten()  # (a run of zeros: unit 0)
+    order = [63, limit, *range(limit - 1, 0, -1)]
+    for i, j in enumerate(dict.fromkeys(order)):
+        if not todo.numel():
+            break
+        if i == tries and todo.numel() > 0.01 * n * s:
+            return None
+        u = (top[todo] / j).half().float()
+        m = torch.round(v[todo] / u[:, None])
+        ok = (u > 0) & (m.abs() <= limit).all(-1) & (m * u[:, None] == v[todo]).all(-1)
+        mult[todo[ok]], unit[todo[ok]] = m[ok], u[ok]
+        todo = todo[~ok]
+    if todo.numel():
+        return None
+    return mult.view(n, s * RUN)[:, :g].to(torch.int32), unit.view(n, s).half()
+
+
+def unpack_vnni(packed: torch.Tensor, groups: torch.Tensor, units: torch.Tensor):
+    """Inverse of `pack_vnni`: [N, K] codes, [N, G] scale and offset (fp32: the values the
+    kernel computes with)."""
     nb, g, _ = packed.shape
     parts = packed.reshape(nb, g, 4, 4 * VNNI_BLOCK)
     halves = torch.stack([parts & 0xF, parts >> 4], dim=3)  # [nb, g, p, h, j * i]
     c = halves.reshape(nb, g, 4, 2, VNNI_BLOCK, 4).permute(0, 4, 1, 2, 3, 5)
     n = nb * VNNI_BLOCK
 
-    def rows(t):
-        return t.transpose(1, 2).reshape(n, g)
+    def rows(t):  # [N/16, X, 16] -> [N, X]
+        return t.transpose(1, 2).reshape(n, -1)
 
-    return c.reshape(n, g * GROUP_SIZE), rows(scale), rows(offset)
+    if not units.numel():
+        scale, offset = rows(groups[..., :VNNI_BLOCK]), rows(groups[..., VNNI_BLOCK:])
+        return c.reshape(n, g * GROUP_SIZE), scale.float(), offset.float()
+    su = rows(units[..., :VNNI_BLOCK]).float().repeat_interleave(RUN, 1)[:, :g]
+    ou = rows(units[..., VNNI_BLOCK:]).float().repeat_interleave(RUN, 1)[:, :g]
+    sm = rows(groups[..., :VNNI_BLOCK]).float()
+    om = rows(groups[..., VNNI_BLOCK:].contiguous().view(torch.int8)).float()
+    return c.reshape(n, g * GROUP_SIZE), sm * su, om * ou
 
 
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
@@ -94,22 +158,47 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_int4_rtn(weight: torch.Tensor, group_size: int = GROUP_SIZE, chunk: int = 8192):
-    """Round-to-nearest asymmetric int4 per group (GGUF Q4_1's form): returns (codes [N, K]
-    uint8, scale [N, G] fp32, offset [N, G] fp32). For weights that have no 4-bit source.
-    Works through `chunk` rows at a time (a vocabulary projection in fp32 would be a GB)."""
+    """Round-to-nearest asymmetric int4 per group (GGUF Q4_1's form, with Q4_K's scales):
+    returns (codes [N, K] uint8, scale [N, G] fp32, offset [N, G] fp32). For weights that have
+    no 4-bit source. Within each run of RUN groups of a row, the offsets are multiples
+    -127..127 of one fp16 unit (each at most its group's minimum) and the scales multiples
+    0..255 of another (each at least the step that covers its group from that offset), as the
+    VNNI kernel's compact form stores them; the codes round to nearest on that grid. Works
+    through `chunk` rows at a time (a vocabulary projection in fp32 would be a GB)."""
     n, k = weight.shape
+    g = k // group_size
+    run = RUN if group_size == GROUP_SIZE else 1  # (other sizes: a unit per group)
+    runs = -(-g // run)
     codes = torch.empty(n, k, dtype=torch.uint8)
-    scale = torch.empty(n, k // group_size)
-    offset = torch.empty(n, k // group_size)
+    scale = torch.empty(n, g)
+    offset = torch.empty(n, g)
+
+    def units(top: torch.Tensor, limit: int) -> torch.Tensor:
+        # [rows, runs] -> the smallest fp16 unit with limit * unit >= top, per group
+        u = (top / limit).half()
+        u = torch.where(u.float() * limit < top, torch.nextafter(u, torch.full_like(u, 1e4)), u)
+        return u.float().repeat_interleave(run, 1)[:, :g]
+
+    def per_run(t: torch.Tensor) -> torch.Tensor:  # [rows, G] -> max |t| per run
+        pad = torch.zeros(t.shape[0], runs * run)
+        pad[:, :g] = t.abs()
+        return pad.view(t.shape[0], runs, run).amax(-1)
+
     for start in range(0, n, chunk):
         w = weight[start:start + chunk].detach().to(torch.float32, copy=True)
-        w = w.reshape(-1, k // group_size, group_size)
+        w = w.reshape(-1, g, group_size)
         lo, hi = w.amin(-1), w.amax(-1)
-        step = (hi - lo) / 15
+        unit = units(per_run(lo), 127)
+        safe = torch.where(unit > 0, unit, torch.ones_like(unit))
+        low = torch.floor(lo / safe).clamp_(-127, 127) * unit
+        raw = (hi - low) / 15
+        unit = units(per_run(raw), 255)
+        safe = torch.where(unit > 0, unit, torch.ones_like(unit))
+        step = torch.ceil(raw / safe).clamp_(0, 255) * unit
         safe = torch.where(step > 0, step, torch.ones_like(step))
-        w.sub_(lo[..., None]).div_(safe[..., None]).round_().clamp_(0, 15)
+        w.sub_(low[..., None]).div_(safe[..., None]).round_().clamp_(0, 15)
         codes[start:start + chunk] = w.reshape(-1, k).to(torch.uint8)
-        scale[start:start + chunk], offset[start:start + chunk] = step, lo
+        scale[start:start + chunk], offset[start:start + chunk] = step, low
     return codes, scale, offset
 
 
@@ -143,8 +232,7 @@ class Int4Linear(torch.nn.Module):
         self.in_features, self.out_features, self.group_size = k, n, group_size
         self.kernel = self._choose(kernel, device, dtype)
         if self.kernel == "vnni":
-            for name, t in zip(("codes_vnni", "scale_vnni", "offset_vnni"),
-                               pack_vnni(codes, scale, offset)):
+            for name, t in zip(VNNI_BUFFERS, pack_vnni(codes, scale, offset)):
                 self.register_buffer(name, t)
             self.register_buffer("bias", None if bias is None else bias.detach().float())
             return
@@ -197,9 +285,9 @@ class Int4Linear(torch.nn.Module):
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] -> [M, N]."""
         if self.kernel == "vnni":  # the bias is added in fp32 inside the kernel
-            return vnni_kernel().int4_linear(x.contiguous(), self.codes_vnni, self.scale_vnni,
-                                         self.offset_vnni,
-                                         _NO_BIAS if self.bias is None else self.bias)
+            return vnni_kernel().int4_linear(x.contiguous(), self.codes_vnni, self.groups_vnni,
+                                             self.units_vnni,
+                                             _NO_BIAS if self.bias is None else self.bias)
         y = self._mm(x)
         return y if self.bias is None else y + self.bias
 
@@ -210,10 +298,9 @@ class Int4Linear(torch.nn.Module):
     def dequantized(self) -> torch.Tensor:
         """The weight this layer computes with, [N, K] fp32 (for tests and reports)."""
         if self.kernel == "vnni":
-            codes, scale, offset = unpack_vnni(self.codes_vnni, self.scale_vnni,
-                                               self.offset_vnni)
+            codes, scale, offset = unpack_vnni(*self.vnni_buffers)
             w = codes.float().reshape(self.out_features, -1, GROUP_SIZE)
-            return (w * scale.float()[..., None] + offset.float()[..., None]).flatten(1)
+            return (w * scale[..., None] + offset[..., None]).flatten(1)
         eye = torch.eye(self.in_features, dtype=self.scale_zero.dtype,
                         device=self.scale_zero.device)
         return self._mm(eye).float().t().contiguous()
@@ -223,10 +310,9 @@ class Int4Linear(torch.nn.Module):
         and kernel: each kept output gets the bits it gets here (a draft's vocabulary subset)."""
         bias = None if self.bias is None else self.bias[rows]
         if self.kernel == "vnni":
-            codes, scale, offset = unpack_vnni(self.codes_vnni, self.scale_vnni,
-                                               self.offset_vnni)
+            codes, scale, offset = unpack_vnni(*self.vnni_buffers)
             # (the kernel computes in the activations' dtype: the one given here is not kept)
-            return Int4Linear(codes[rows], scale[rows].float(), offset[rows].float(), bias,
+            return Int4Linear(codes[rows], scale[rows], offset[rows], bias,
                               torch.float32, "cpu", self.group_size, "vnni")
         codes = self._torch_codes()
         scale, zero = self.scale_zero.double().unbind(-1)  # [G, N] each
@@ -239,17 +325,24 @@ class Int4Linear(torch.nn.Module):
         """One layer computing `layers` side by side (their outputs concatenated, each with the
         bits it has alone: the VNNI kernel computes each block of 16 outputs on its own), whose
         buffers the given layers then view: no weight is held twice. None where the layers do
-        not merge (not all on the VNNI kernel, other input sizes, a bias on some only)."""
+        not merge (not all on the VNNI kernel, other input sizes, a bias on some only). Where
+        some layers' scales are in the compact form and others' not, all take the plain one
+        (`pack_vnni`) first: one call reads one form."""
         first = layers[0]
         if (len(layers) < 2 or any(not isinstance(m, Int4Linear) or m.kernel != "vnni"
                                    or m.in_features != first.in_features for m in layers)
                 or len({m.bias is None for m in layers}) > 1):
             return None
+        if len({m.compact for m in layers}) > 1:
+            for m in layers:
+                for name, t in zip(VNNI_BUFFERS, pack_vnni(*unpack_vnni(*m.vnni_buffers),
+                                                           compact=False)):
+                    m.register_buffer(name, t)
         out = cls.__new__(cls)
         torch.nn.Module.__init__(out)
         out.in_features, out.group_size, out.kernel = first.in_features, first.group_size, "vnni"
         out.out_features = sum(m.out_features for m in layers)
-        for name in ("codes_vnni", "scale_vnni", "offset_vnni", "bias"):
+        for name in (*VNNI_BUFFERS, "bias"):
             parts = [getattr(m, name) for m in layers]
             out.register_buffer(name, None if parts[0] is None else torch.cat(parts))
             start = 0
@@ -258,6 +351,16 @@ class Int4Linear(torch.nn.Module):
                     m.register_buffer(name, getattr(out, name)[start:start + part.shape[0]])
                     start += part.shape[0]
         return out
+
+    @property
+    def vnni_buffers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The VNNI kernel's codes, groups and units (`pack_vnni`)."""
+        return self.codes_vnni, self.groups_vnni, self.units_vnni
+
+    @property
+    def compact(self) -> bool:
+        """On the VNNI kernel with 8-bit multiples of per-run units (`pack_vnni`)."""
+        return self.kernel == "vnni" and self.units_vnni.numel() > 0
 
     def _torch_codes(self) -> torch.Tensor:
         """[N, K] codes back from torch's CPU packing, checked by packing them again (the
@@ -343,11 +446,12 @@ def stand_in(module: Int4Linear | Int8Linear, out_features: int, dtype: torch.dt
     gen = torch.Generator().manual_seed(seed)
     k = module.in_features
     device = next(module.buffers()).device
-    if isinstance(module, Int4Linear):
-        groups = k // module.group_size
-        return Int4Linear(torch.randint(0, 16, (out_features, k), generator=gen),
-                          torch.rand(out_features, groups, generator=gen) * 0.02 + 1e-3,
-                          torch.rand(out_features, groups, generator=gen) * -0.15, None, dtype,
-                          device, module.group_size, module.kernel)
+    if isinstance(module, Int4Linear):  # in the module's form (`pack_vnni`: compact or plain)
+        codes, scale, offset = quantize_int4_rtn(
+            torch.randn(out_features, k, generator=gen) * 0.05, module.group_size)
+        if not module.compact:  # scales off the compact form's grid
+            scale = scale * (1 + 1e-3 * torch.rand(scale.shape, generator=gen))
+        return Int4Linear(codes, scale, offset, None, dtype, device, module.group_size,
+                          module.kernel)
     return Int8Linear(torch.randint(-127, 128, (out_features, k), generator=gen),
                       torch.rand(out_features, generator=gen) * 0.002 + 1e-4, None, dtype, device)

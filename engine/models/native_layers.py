@@ -44,14 +44,14 @@ def _addresses(attention_ext) -> list[int] | None:
 
 
 def _layer_tensors(layer: torch.nn.Module) -> list[torch.Tensor] | None:
-    """[input norm, post norm, then codes, scale, offset, bias of qkv, o, gate_up, down], or
+    """[input norm, post norm, then codes, groups, units, bias of qkv, o, gate_up, down], or
     None where a projection is not a (merged) int4 layer on the VNNI kernel."""
     out = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
     for owner, name in _LINEARS:
         lin = getattr(getattr(layer, owner), name, None)
         if not isinstance(lin, Int4Linear) or lin.kernel != "vnni":
             return None
-        out += [lin.codes_vnni, lin.scale_vnni, lin.offset_vnni,
+        out += [*lin.vnni_buffers,
                 _EMPTY if lin.bias is None else lin.bias]
     return out
 

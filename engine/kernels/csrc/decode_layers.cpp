@@ -27,9 +27,9 @@ using RotaryFn = void (*)(Tensor, Tensor, Tensor, int64_t);
 using AttentionFn = void (*)(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
                              Tensor, int64_t, double);
 
-struct Linear {  // an Int4Linear's VNNI buffers; bias empty where it has none
-  Tensor codes, scale, offset, bias;
-  Tensor operator()(Int4Fn f, const Tensor& x) const { return f(x, codes, scale, offset, bias); }
+struct Linear {  // an Int4Linear's VNNI buffers (codes, groups, units); bias empty where none
+  Tensor codes, groups, units, bias;
+  Tensor operator()(Int4Fn f, const Tensor& x) const { return f(x, codes, groups, units, bias); }
 };
 
 struct Layer {
@@ -41,7 +41,7 @@ struct Layer {
 
 class DecodeLayers {
  public:
-  // layers: per layer [input norm, post-attention norm, then codes, scale, offset, bias of
+  // layers: per layer [input norm, post-attention norm, then codes, groups, units, bias of
   // qkv, o, gate_up, down]; dims: heads, kv heads, head_dim, intermediate size; kernels: the
   // addresses of int4_linear, rms_norm, add_rms_norm, silu_mul, rotary_, paged_attention_rows.
   DecodeLayers(const std::vector<std::vector<Tensor>>& layers, std::vector<int64_t> dims,

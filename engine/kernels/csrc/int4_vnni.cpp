@@ -1,12 +1,21 @@
 // int4 weights x int8 activations on AVX-512 VNNI: the CPU kernel of Int4Linear
 // (engine/kernels/quant_linear.py says what it computes and how exact it is).
 //
-// Weights, packed once (`pack` in quant_linear.py): output rows in blocks of 16, input
+// Weights, packed once (`pack_vnni` in quant_linear.py): output rows in blocks of 16, input
 // features in groups of 32. For block b and group g, 256 bytes: 4 parts p of 64 bytes; byte
 // 4*j + i of part p holds, for the block's row j, the code of feature g*32 + p*8 + i in its
 // low nibble and that of feature g*32 + p*8 + 4 + i in its high nibble. A part is then two
 // operands of `vpdpbusd` (16 rows x 4 features each, codes as unsigned bytes) against 4
-// activation bytes broadcast to every lane. Scales and offsets: fp16, [blocks, groups, 16].
+// activation bytes broadcast to every lane.
+// Each group's scale and offset per row, in one of two forms:
+// - compact (a GGUF Q4_K layer, and our own round-to-nearest ones): [blocks, groups, 32]
+//   bytes, the 16 rows' scales as unsigned multiples (0..255) of a unit, then their offsets as
+//   signed multiples (-127..127) of another; the units fp16, [blocks, ceil(groups / 8), 32]
+//   (16 scale units, 16 offset units), one per row and run of 8 groups (256 inputs: Q4_K's
+//   super-block, whose d and dmin they are). 36 bytes of them per 256 of codes, not 64: a
+//   decode step streams 7.5% fewer bytes. scale = unit * multiple is exact in fp32.
+// - plain (any other values): fp16, [blocks, groups, 32], the 16 scales then the 16 offsets;
+//   no units (an empty tensor).
 //
 // Activations are quantized per row and group of 32: a = round(x * 127 / max|x|) as int8
 // with d = max|x| / 127, and s = the exact fp32 sum of the group's x. Then
@@ -55,9 +64,36 @@ void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* a, float* d, float*
   }
 }
 
+// One block's scales and offsets, group by group (see the layouts above).
+struct PlainScales {
+  const at::Half* p;  // [groups, 32] fp16
+  inline void at(int64_t g, __m512& scale, __m512& offset) {
+    const __m256i* q = reinterpret_cast<const __m256i*>(p + g * 32);
+    scale = _mm512_cvtph_ps(_mm256_loadu_si256(q));
+    offset = _mm512_cvtph_ps(_mm256_loadu_si256(q + 1));
+  }
+};
+
+struct CompactScales {
+  const uint8_t* p;     // [groups, 32] multiples
+  const at::Half* u;    // [ceil(groups / 8), 32] fp16 units
+  __m512 su, ou;
+  inline void at(int64_t g, __m512& scale, __m512& offset) {
+    if ((g & 7) == 0) {
+      const __m256i* q = reinterpret_cast<const __m256i*>(u + (g >> 3) * 32);
+      su = _mm512_cvtph_ps(_mm256_loadu_si256(q));
+      ou = _mm512_cvtph_ps(_mm256_loadu_si256(q + 1));
+    }
+    const __m128i* m = reinterpret_cast<const __m128i*>(p + g * 32);
+    // an 8-bit integer times an fp16 unit: exact in fp32
+    scale = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(m))), su);
+    offset = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(m + 1))), ou);
+  }
+};
+
 // MR rows of activations against one block of 16 output rows, every group.
-template <int MR, typename T>
-inline void block_rows(const uint8_t* w, const at::Half* sc, const at::Half* off, const float* bias,
+template <int MR, typename T, typename Scales>
+inline void block_rows(const uint8_t* w, Scales sc, const float* bias,
                        const int8_t* a, const float* d, const float* s, int64_t K, int64_t G,
                        T* y, int64_t N, int64_t n0) {
   __m512 acc[MR];
@@ -76,8 +112,8 @@ inline void block_rows(const uint8_t* w, const at::Half* sc, const at::Half* off
       wv[2 * p] = _mm512_and_si512(v, low);
       wv[2 * p + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
     }
-    __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + g * 16)));
-    __m512 offset = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(off + g * 16)));
+    __m512 scale, offset;
+    sc.at(g, scale, offset);
     for (int r = 0; r < MR; ++r) {
       const int32_t* ar = reinterpret_cast<const int32_t*>(a + r * K + g * kGroup);
       // CH independent chains of dot products (vpdpbusd's latency, not its throughput, would
@@ -102,8 +138,9 @@ inline void block_rows(const uint8_t* w, const at::Half* sc, const at::Half* off
   }
 }
 
-template <typename T>
-void run(const T* x, const uint8_t* w, const at::Half* sc, const at::Half* off, const float* bias,
+// scales(b): block b's Scales
+template <typename T, typename BlockScales>
+void run(const T* x, const uint8_t* w, BlockScales scales, const float* bias,
          T* y, int64_t M, int64_t K, int64_t N) {
   const int64_t G = K / kGroup, blocks = N / kBlock;
   std::vector<int8_t> a(M * K);
@@ -113,8 +150,7 @@ void run(const T* x, const uint8_t* w, const at::Half* sc, const at::Half* off, 
   at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const uint8_t* wb = w + b * G * 256;
-      const at::Half* sb = sc + b * G * kBlock;
-      const at::Half* ob = off + b * G * kBlock;
+      const auto sb = scales(b);
       for (int64_t m = 0; m < M; m += kRows) {
         const int64_t mr = std::min<int64_t>(kRows, M - m);
         const int8_t* am = a.data() + m * K;
@@ -123,7 +159,7 @@ void run(const T* x, const uint8_t* w, const at::Half* sc, const at::Half* off, 
         T* ym = y + m * N;
         const int64_t n0 = b * kBlock;
         switch (mr) {
-#define ROWS(R) case R: block_rows<R>(wb, sb, ob, bias, am, dm, sm, K, G, ym, N, n0); break;
+#define ROWS(R) case R: block_rows<R>(wb, sb, bias, am, dm, sm, K, G, ym, N, n0); break;
           ROWS(8) ROWS(7) ROWS(6) ROWS(5) ROWS(4) ROWS(3) ROWS(2) ROWS(1)
 #undef ROWS
         }
@@ -132,21 +168,45 @@ void run(const T* x, const uint8_t* w, const at::Half* sc, const at::Half* off, 
   });
 }
 
+template <typename T>
+void dispatch(const T* x, const uint8_t* w, const torch::Tensor& groups, const torch::Tensor& units,
+              const float* bias, T* y, int64_t M, int64_t K, int64_t N) {
+  const int64_t G = K / kGroup;
+  if (units.numel()) {
+    const uint8_t* p = groups.data_ptr<uint8_t>();
+    const at::Half* u = units.data_ptr<at::Half>();
+    const int64_t S = (G + 7) / 8;
+    run(x, w, [=](int64_t b) { return CompactScales{p + b * G * 32, u + b * S * 32}; }, bias,
+        y, M, K, N);
+  } else {
+    const at::Half* p = groups.data_ptr<at::Half>();
+    run(x, w, [=](int64_t b) { return PlainScales{p + b * G * 32}; }, bias, y, M, K, N);
+  }
+}
+
 }  // namespace
 
-// x [M, K] fp32 or bf16 (contiguous); packed [N/16, K/32, 256] uint8; scale, offset
-// [N/16, K/32, 16] fp16; bias [N] fp32 or empty. Returns [M, N] in x's dtype.
-torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale,
-                          torch::Tensor offset, torch::Tensor bias) {
+// x [M, K] fp32 or bf16 (contiguous); packed [N/16, K/32, 256] uint8; groups and units: the
+// scales and offsets in the compact form (groups [N/16, K/32, 32] uint8, units
+// [N/16, ceil(K/256), 32] fp16) or the plain one (groups [N/16, K/32, 32] fp16, units empty);
+// bias [N] fp32 or empty. Returns [M, N] in x's dtype.
+torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor groups,
+                          torch::Tensor units, torch::Tensor bias) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [M, K] matrix");
   TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(), "packed codes");
-  TORCH_CHECK(scale.scalar_type() == torch::kHalf && offset.scalar_type() == torch::kHalf,
-              "fp16 scales and offsets");
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * kBlock;
   TORCH_CHECK(K % kGroup == 0 && packed.size(1) * kGroup == K && packed.size(2) == 256,
               "packed codes do not match the input features");
-  TORCH_CHECK(scale.numel() == N / kBlock * (K / kGroup) * kBlock && offset.numel() == scale.numel(),
+  const int64_t G = K / kGroup;
+  TORCH_CHECK(groups.is_contiguous() && groups.numel() == N / kBlock * G * 32,
               "scales do not match the codes");
+  if (units.numel()) {
+    TORCH_CHECK(groups.scalar_type() == torch::kUInt8 && units.scalar_type() == torch::kHalf
+                && units.is_contiguous() && units.numel() == N / kBlock * ((G + 7) / 8) * 32,
+                "compact scales: uint8 multiples and fp16 units per 8 groups");
+  } else {
+    TORCH_CHECK(groups.scalar_type() == torch::kHalf, "fp16 scales and offsets");
+  }
   const float* b = nullptr;
   if (bias.numel()) {
     TORCH_CHECK(bias.scalar_type() == torch::kFloat && bias.numel() == N, "fp32 bias of N");
@@ -155,13 +215,12 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   auto y = torch::empty({M, N}, x.options());
   if (M == 0) return y;
   const uint8_t* w = packed.data_ptr<uint8_t>();
-  const at::Half* sc = scale.data_ptr<at::Half>();
-  const at::Half* off = offset.data_ptr<at::Half>();
   if (x.scalar_type() == torch::kFloat) {
-    run(x.data_ptr<float>(), w, sc, off, b, y.data_ptr<float>(), M, K, N);
+    dispatch(x.data_ptr<float>(), w, groups, units, b, y.data_ptr<float>(), M, K, N);
   } else {
     TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "x must be fp32 or bf16");
-    run(x.data_ptr<at::BFloat16>(), w, sc, off, b, y.data_ptr<at::BFloat16>(), M, K, N);
+    dispatch(x.data_ptr<at::BFloat16>(), w, groups, units, b, y.data_ptr<at::BFloat16>(), M, K,
+             N);
   }
   return y;
 }
