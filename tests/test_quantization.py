@@ -67,6 +67,11 @@ def test_vnni_packing_round_trip():
     back, sc2, off2 = unpack_vnni(packed, groups, units)
     assert torch.equal(back, codes)
     assert torch.equal(sc2, scale.half().float()) and torch.equal(off2, offset.half().float())
+    _, scale, offset = quantize_int4_rtn(torch.randn(48, 96))  # on the compact form's grid,
+    scale[5, 1] = float("nan")  # but for one value, a multiple of nothing: the plain form
+    packed, groups, units = pack_vnni(codes, scale, offset)
+    assert groups.dtype == torch.float16 and not units.numel()
+    assert unpack_vnni(packed, groups, units)[1][5, 1].isnan()
 
 
 def _q4_k_scales(gen, rows, groups, top=63):

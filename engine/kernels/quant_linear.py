@@ -103,8 +103,8 @@ def _multiples(values: torch.Tensor, limit: int, signed: bool, tries: int = 16):
     v[:, :g] = values
     v = v.view(n * s, RUN)
     top = v.abs().amax(-1)
-    if not signed and (v < 0).any():
-        return None
+    if not torch.isfinite(top).all() or (not signed and (v < 0).any()):
+        return None  # (the plain form keeps such values as they are)
     mult = torch.zeros(n * s, RUN)
     unit = torch.zeros(n * s)
     todo = (top > 0).nonzero().flatten()  # (a run of zeros: unit 0)
