@@ -88,6 +88,19 @@ def pack_vnni(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
     return packed, groups.contiguous(), units.contiguous()
 
 
+def _by_run(t: torch.Tensor, run: int = RUN) -> torch.Tensor:
+    """[rows, G] -> [rows, ceil(G / run), run], the last run padded with zeros."""
+    rows, g = t.shape
+    out = t.new_zeros(rows, -(-g // run) * run)
+    out[:, :g] = t
+    return out.view(rows, -1, run)
+
+
+def _per_group(t: torch.Tensor, g: int, run: int = RUN) -> torch.Tensor:
+    """[rows, runs] -> [rows, g]: each run's value for each of its groups."""
+    return t.repeat_interleave(run, 1)[:, :g]
+
+
 def _multiples(values: torch.Tensor, limit: int, signed: bool, tries: int = 16):
     """values [N, G] fp32 -> (multiples [N, G] int32, units [N, ceil(G / RUN)] fp16) with
     values == units * multiples exactly (fp32) for every run of RUN groups of a row, the
@@ -98,10 +111,8 @@ def _multiples(values: torch.Tensor, limit: int, signed: bool, tries: int = 16):
     round-to-nearest's (`limit`, or a little less where the unit is an fp16 subnormal), then,
     where at most 1% of the runs are left after `tries` values of j, every other j for those."""
     n, g = values.shape
-    s = -(-g // RUN)
-    v = torch.zeros(n, s * RUN)
-    v[:, :g] = values
-    v = v.view(n * s, RUN)
+    v = _by_run(values).view(-1, RUN)
+    s = v.shape[0] // n
     top = v.abs().amax(-1)
     if not torch.isfinite(top).all() or (not signed and (v < 0).any()):
         return None  # (the plain form keeps such values as they are)
@@ -139,8 +150,8 @@ def unpack_vnni(packed: torch.Tensor, groups: torch.Tensor, units: torch.Tensor)
     if not units.numel():
         scale, offset = rows(groups[..., :VNNI_BLOCK]), rows(groups[..., VNNI_BLOCK:])
         return c.reshape(n, g * GROUP_SIZE), scale.float(), offset.float()
-    su = rows(units[..., :VNNI_BLOCK]).float().repeat_interleave(RUN, 1)[:, :g]
-    ou = rows(units[..., VNNI_BLOCK:]).float().repeat_interleave(RUN, 1)[:, :g]
+    su = _per_group(rows(units[..., :VNNI_BLOCK]).float(), g)
+    ou = _per_group(rows(units[..., VNNI_BLOCK:]).float(), g)
     sm = rows(groups[..., :VNNI_BLOCK]).float()
     om = rows(groups[..., VNNI_BLOCK:].contiguous().view(torch.int8)).float()
     return c.reshape(n, g * GROUP_SIZE), sm * su, om * ou
@@ -168,31 +179,26 @@ def quantize_int4_rtn(weight: torch.Tensor, group_size: int = GROUP_SIZE, chunk:
     n, k = weight.shape
     g = k // group_size
     run = RUN if group_size == GROUP_SIZE else 1  # (other sizes: a unit per group)
-    runs = -(-g // run)
     codes = torch.empty(n, k, dtype=torch.uint8)
     scale = torch.empty(n, g)
     offset = torch.empty(n, g)
 
-    def units(top: torch.Tensor, limit: int) -> torch.Tensor:
-        # [rows, runs] -> the smallest fp16 unit with limit * unit >= top, per group
+    def units(t: torch.Tensor, limit: int) -> torch.Tensor:
+        # [rows, G] -> per group, the smallest fp16 unit of its run with limit * unit >= |t|
+        top = _by_run(t.abs(), run).amax(-1)
         u = (top / limit).half()
         u = torch.where(u.float() * limit < top, torch.nextafter(u, torch.full_like(u, 1e4)), u)
-        return u.float().repeat_interleave(run, 1)[:, :g]
-
-    def per_run(t: torch.Tensor) -> torch.Tensor:  # [rows, G] -> max |t| per run
-        pad = torch.zeros(t.shape[0], runs * run)
-        pad[:, :g] = t.abs()
-        return pad.view(t.shape[0], runs, run).amax(-1)
+        return _per_group(u.float(), g, run)
 
     for start in range(0, n, chunk):
         w = weight[start:start + chunk].detach().to(torch.float32, copy=True)
         w = w.reshape(-1, g, group_size)
         lo, hi = w.amin(-1), w.amax(-1)
-        unit = units(per_run(lo), 127)
+        unit = units(lo, 127)
         safe = torch.where(unit > 0, unit, torch.ones_like(unit))
         low = torch.floor(lo / safe).clamp_(-127, 127) * unit
         raw = (hi - low) / 15
-        unit = units(per_run(raw), 255)
+        unit = units(raw, 255)
         safe = torch.where(unit > 0, unit, torch.ones_like(unit))
         step = torch.ceil(raw / safe).clamp_(0, 255) * unit
         safe = torch.where(step > 0, step, torch.ones_like(step))
